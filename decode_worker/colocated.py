@@ -1,0 +1,84 @@
+"""Colocated role ("both"): one engine loop runs prefill and decode; no KV leaves the process.
+
+It lives beside the decode role because it is the decode engine plus prompt admission; it exists
+to compare placements on the same hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from engine.engine import Engine, StepError, StepOutput
+from engine.loop import EngineLoop
+from engine.sequence import Sequence
+from engine.serving import RequestStreams
+from engine.worker_common import (abort_quietly, publish_outputs, publish_step_error, relay_tokens,
+                                  sampling_from_proto)
+from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+
+class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
+    """Composes an Engine and its EngineLoop; streams every token of a request, the first included."""
+
+    role = "both"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = EngineLoop(engine, self._on_outputs, self._on_step_error)
+        self.streams: RequestStreams | None = None
+
+    def start(self) -> None:
+        self.streams = RequestStreams(asyncio.get_running_loop())
+        self.loop.start()
+
+    async def stop(self) -> None:
+        self.loop.stop()
+
+    def extra_stats(self) -> dict:
+        return {}
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        publish_outputs(self.streams, outputs)
+
+    def _on_step_error(self, err: StepError) -> None:
+        publish_step_error(self.streams, err)
+
+    @staticmethod
+    def _timings(seq: Sequence, end_ns: int) -> generate_pb2.Timings:
+        return generate_pb2.Timings(queue_ns=seq.prefill_start_ns - seq.arrival_ns,
+                                    prefill_ns=seq.prefill_end_ns - seq.prefill_start_ns,
+                                    decode_ns=end_ns - seq.prefill_end_ns)
+
+    async def Generate(self, request: worker_pb2.ColocatedRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            q = self.streams.open(rid)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finished = False
+        try:
+            prompt = list(request.prompt_token_ids)
+            try:
+                await asyncio.wrap_future(self.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            async for batch in relay_tokens(q, context, self._timings):
+                finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+                yield batch
+        finally:
+            self.streams.close(rid)
+            if not finished:
+                await abort_quietly(self.loop, rid)
+
+
+async def serve(cfg, host: str = "127.0.0.1", port: int = 0):
+    """Build the engine (off the event loop) and serve ColocatedService + WorkerService."""
+    from engine.worker_common import serve_worker
+
+    engine = await asyncio.to_thread(Engine, cfg)
+    worker = ColocatedWorker(engine)
+    return await serve_worker(worker, worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
+                              "pdserve.v1.ColocatedService", host, port)

@@ -1,0 +1,167 @@
+"""Decode role: receives KV caches, continues sequences in its continuous batch, streams tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from engine.engine import Engine, KvCacheFullError, StepError, StepOutput
+from engine.kv_codec import FrameAssembler, KvCodecError, KvLimits, unpack_kv
+from engine.loop import EngineLoop
+from engine.sequence import Sequence
+from engine.serving import RequestStreams
+from engine.worker_common import abort_quietly, publish_outputs, publish_step_error, relay_tokens
+from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+ADMIT_RETRY_S = 0.005
+
+
+class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
+    """Composes an Engine and its EngineLoop; implements ``engine.kv_transfer.KvReceiver``.
+
+    A request is attached by ``Decode`` (the router calls it before prefill); its KV arrives through
+    ``PushKv`` within ``kv_timeout_s`` seconds or the stream fails with DEADLINE_EXCEEDED. KV for a
+    request nobody waits for is refused before it is assembled, so no block is ever allocated for it.
+    """
+
+    role = "decode"
+
+    def __init__(self, engine: Engine, kv_timeout_s: float = 30.0, limits: KvLimits = KvLimits()) -> None:
+        self.engine = engine
+        self.kv_timeout_s = kv_timeout_s
+        self.limits = limits
+        self.loop = EngineLoop(engine, self._on_outputs, self._on_step_error)
+        self.streams: RequestStreams | None = None
+        self._pending: dict[str, asyncio.Future] = {}
+        self._kv_transfer_ns: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.streams = RequestStreams(asyncio.get_running_loop())
+        self.loop.start()
+
+    async def stop(self) -> None:
+        self.loop.stop()
+
+    def extra_stats(self) -> dict:
+        return {"num_awaiting_kv": len(self._pending)}
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        publish_outputs(self.streams, outputs)
+
+    def _on_step_error(self, err: StepError) -> None:
+        publish_step_error(self.streams, err)
+
+    async def receive_kv(self, frame: bytes) -> None:
+        """Unpack, check and admit a KV frame (KvReceiver).
+
+        Raises KvCodecError for a bad frame, KeyError when no Decode stream waits for its request,
+        ValueError when the request can never fit, TimeoutError when blocks stay short past the
+        KV timeout. The waiting Decode stream gets the same error.
+        """
+        payload = await asyncio.to_thread(unpack_kv, frame, self.engine.fingerprint, self.limits)
+        rid = payload.request_id
+        fut = self._pending.get(rid)
+        if fut is None or fut.done():
+            raise KeyError(f"no decode stream is waiting for request {rid!r}")
+        sent_ns = int(payload.sampling.get("first_token_unix_ns", 0))
+        deadline = time.monotonic() + self.kv_timeout_s
+        while True:
+            try:
+                seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.admit_kv(payload)))
+                break
+            except KvCacheFullError as exc:
+                if fut.done() or time.monotonic() > deadline:
+                    err = TimeoutError(f"KV cache full for {self.kv_timeout_s:.0f}s: {exc}")
+                    if not fut.done():
+                        fut.set_exception(err)
+                    raise err from exc
+                await asyncio.sleep(ADMIT_RETRY_S)
+            except ValueError as exc:
+                if not fut.done():
+                    fut.set_exception(exc)
+                raise
+        if fut.done():  # the stream went away while we were admitting
+            await abort_quietly(self.loop, rid)
+            return
+        self._kv_transfer_ns[rid] = max(0, time.time_ns() - sent_ns) if sent_ns else 0
+        fut.set_result(seq)
+
+    def _timings(self, seq: Sequence, end_ns: int) -> generate_pb2.Timings:
+        return generate_pb2.Timings(kv_transfer_ns=self._kv_transfer_ns.get(seq.request_id, 0),
+                                    decode_ns=end_ns - seq.arrival_ns)
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        try:
+            q = self.streams.open(rid)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        timeout = request.kv_timeout_s or self.kv_timeout_s
+        finished = False
+        try:
+            await context.send_initial_metadata(())
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no KV cache arrived for request {rid!r} within {timeout:.1f}s")
+            except KvCodecError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV cache refused: {exc}")
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except TimeoutError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            async for batch in relay_tokens(q, context, self._timings):
+                finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+                yield batch
+        finally:
+            if not fut.done():
+                fut.cancel()
+            self._pending.pop(rid, None)
+            self._kv_transfer_ns.pop(rid, None)
+            self.streams.close(rid)
+            if not finished:
+                await abort_quietly(self.loop, rid)
+
+    async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
+        assembler = FrameAssembler(self.limits)
+        rid = None
+        try:
+            async for chunk in request_iterator:
+                if rid is None:
+                    rid = chunk.request_id
+                    if rid not in self._pending:
+                        await context.abort(grpc.StatusCode.NOT_FOUND,
+                                            f"no decode stream is waiting for request {rid!r}")
+                assembler.add(chunk.data)
+            frame = assembler.frame()
+            await self.receive_kv(frame)
+        except KvCodecError as exc:
+            fut = self._pending.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KV cache refused: {exc}")
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return worker_pb2.PushKvResponse(received_bytes=len(frame))
+
+
+async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float = 30.0):
+    """Build the engine (off the event loop) and serve DecodeService + WorkerService.
+
+    Returns an ``engine.worker_common.RunningWorker``; ``port=0`` picks a free port.
+    """
+    from engine.worker_common import serve_worker
+
+    engine = await asyncio.to_thread(Engine, cfg)
+    worker = DecodeWorker(engine, kv_timeout_s)
+    return await serve_worker(worker, worker_pb2_grpc.add_DecodeServiceServicer_to_server,
+                              "pdserve.v1.DecodeService", host, port)

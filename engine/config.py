@@ -1,0 +1,118 @@
+"""Frozen configuration objects for the model and the engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        """Read ``folder/config.json``.
+
+        Raises FileNotFoundError when it is missing and ValueError for an architecture other than
+        Llama, Mistral or Qwen2 or an unsupported RoPE scaling.
+        """
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {folder}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed ``config.json`` (see ``from_folder`` for errors)."""
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")
+        if isinstance(rope_params, dict):  # transformers >= 5 layout
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+            if kind == "default":
+                rope_scaling = None
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings shared by every role.
+
+    ``num_kv_blocks`` is the size of the paged KV cache in blocks of ``block_size`` tokens; when
+    None it is derived from ``kv_cache_gib`` (GiB of KV memory). ``max_num_batched_tokens`` bounds the
+    tokens of one prefill batch; ``max_num_seqs`` bounds the sequences of any batch.
+    ``torch_threads`` (CPU only) sets ``torch.set_num_threads`` for the worker process.
+    """
+
+    model: str
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

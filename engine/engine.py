@@ -1,0 +1,177 @@
+"""The engine: scheduler + block manager + model runner behind a small step API.
+
+Roles compose it (see prefill_worker/ and decode_worker/): a prefill worker adds requests and
+takes each sequence out with ``extract_kv`` right after its prefill step; a decode worker admits
+sequences with ``admit_kv`` and runs decode steps; a colocated worker does both in one loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_codec import KvPayload, ModelFingerprint
+from engine.model_runner import ModelRunner
+from engine.models.loader import resolve_model_dir
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import Tokenizer
+
+
+class KvCacheFullError(RuntimeError):
+    """The paged KV cache has too few free blocks for a request right now (retry later)."""
+
+
+class StepError(RuntimeError):
+    """A model step failed; ``seqs`` were finished with ERROR and freed."""
+
+    def __init__(self, cause: Exception, seqs: list[Sequence]) -> None:
+        super().__init__(f"model step failed: {cause!r}")
+        self.seqs = seqs
+
+
+@dataclass
+class StepOutput:
+    """A token sampled for ``seq`` in one step. ``prefill`` is True for the first token after a prefill."""
+
+    seq: Sequence
+    token: int
+    prefill: bool
+
+
+class Engine:
+    """Single-process engine. Not thread-safe: drive it from one thread (see ``EngineLoop``)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.torch_threads and cfg.device == "cpu":
+            torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.model_dir: Path = resolve_model_dir(cfg.model)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.runner = ModelRunner(cfg, self.model_dir)
+        self.model_cfg = self.runner.model_cfg
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_cfg.eos_token_ids)
+        self.max_model_len = min(cfg.max_model_len or self.model_cfg.max_position_embeddings,
+                                 self.model_cfg.max_position_embeddings)
+        tokenizer_hash = hashlib.sha256((self.model_dir / "tokenizer.json").read_bytes()).hexdigest()
+        mc = self.model_cfg
+        self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                            cfg.dtype, cfg.block_size, tokenizer_hash)
+
+    # -- requests -------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """ValueError with a readable message when the request can never run on this engine."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if n + sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                             f"context window of {self.max_model_len} tokens")
+        if self.blocks.blocks_for(n + sampling.max_tokens) > self.blocks.num_blocks:
+            raise ValueError(f"request needs {self.blocks.blocks_for(n + sampling.max_tokens)} KV blocks; "
+                             f"the cache has {self.blocks.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
+        """Queue a prompt for prefill (ValueError as in ``check_request``)."""
+        self.check_request(prompt_token_ids, sampling)
+        seq = Sequence.new(request_id, prompt_token_ids, sampling, self.eos_token_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def admit_kv(self, payload: KvPayload) -> Sequence:
+        """Place a prefilled sequence (prompt KV + first token) into the running batch.
+
+        ``payload.kv``: [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim].
+        Raises ValueError when the request can never fit and KvCacheFullError when blocks are short now.
+        """
+        sampling = SamplingParams.from_dict(payload.sampling)
+        self.check_request(payload.token_ids, sampling)
+        seq = Sequence.new(payload.request_id, payload.token_ids, sampling, self.eos_token_ids)
+        seq.token_ids.append(payload.first_token)
+        if not self.blocks.can_allocate(seq.num_tokens):
+            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks; "
+                                   f"request {payload.request_id} needs {self.blocks.blocks_for(seq.num_tokens)}")
+        self.blocks.allocate(seq, seq.num_tokens)
+        self.runner.write_kv(seq, payload.kv)
+        self.scheduler.admit_running(seq)
+        return seq
+
+    def extract_kv(self, seq: Sequence) -> KvPayload:
+        """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
+        token) and the last token as ``first_token``. Frees its blocks."""
+        kv = self.runner.read_kv(seq, seq.num_tokens - 1)
+        payload = KvPayload(seq.request_id, self.fingerprint, seq.token_ids[:-1], seq.token_ids[-1],
+                            seq.sampling.to_dict(), kv)
+        self.scheduler.finish(seq)
+        return payload
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a waiting or running request and free its blocks; returns it, or None if unknown."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return seq
+
+    # -- stepping -------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one prefill or decode step. Finished sequences leave the engine and free their blocks.
+
+        If the forward pass raises, every sequence of the batch is finished with ERROR and freed,
+        and StepError (carrying them) is raised.
+        """
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.monotonic_ns()
+        if batch.is_prefill:
+            for s in batch.seqs:
+                s.prefill_start_ns = now
+        try:
+            tokens = self.runner.run(batch)
+        except Exception as exc:
+            for s in batch.seqs:
+                self.scheduler.finish(s, FinishReason.ERROR)
+            raise StepError(exc, batch.seqs) from exc
+        done = time.monotonic_ns()
+        outputs = []
+        for seq, tok in zip(batch.seqs, tokens):
+            if batch.is_prefill:
+                seq.prefill_end_ns = done
+            seq.append_token(tok)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+            outputs.append(StepOutput(seq, tok, batch.is_prefill))
+        return outputs
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Offline batch generation (all prompts at once); returns the output ids per prompt."""
+        seqs = [self.add_request(f"offline-{i}", p, sampling) for i, p in enumerate(prompts)]
+        while self.has_work():
+            self.step()
+        return [s.output_token_ids for s in seqs]
+
+    def stats(self) -> dict[str, int]:
+        """Queue lengths and KV block occupancy."""
+        s = self.scheduler
+        return {
+            "num_waiting": len(s.waiting), "num_running": len(s.running),
+            "used_kv_blocks": self.blocks.num_used, "free_kv_blocks": self.blocks.num_free,
+            "block_size": self.cfg.block_size,
+            "outstanding_prefill_tokens": sum(q.num_tokens for q in s.waiting),
+        }

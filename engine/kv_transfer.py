@@ -1,0 +1,85 @@
+"""The seam between prefill and decode: how a packed KV frame reaches a decode worker.
+
+A prefill worker holds a :class:`KvSender`; a decode worker implements
+:class:`KvReceiver`.  Frames are produced by :func:`engine.kv_codec.pack_kv`.
+:class:`InProcessKvTransfer` is the in-process implementation used in tests and
+single-process setups; it chunks and reassembles frames exactly like the
+network path so the same :class:`~engine.kv_codec.KvLimits` apply.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from engine.kv_codec import FrameAssembler, KvCodecError, KvLimits, iter_chunks
+
+
+class KvTransferError(RuntimeError):
+    """A KV frame could not be delivered or was rejected by the receiving side."""
+
+
+@runtime_checkable
+class KvReceiver(Protocol):
+    async def receive_kv(self, frame: bytes) -> None:
+        """Accept one complete frame.
+
+        Raises KvCodecError for a frame that cannot be accepted, KeyError for an
+        unknown request id, or whatever else the implementation decides.
+        """
+        ...
+
+
+@runtime_checkable
+class KvSender(Protocol):
+    async def send_kv(self, target: str, request_id: str, frame: bytes) -> None:
+        """Deliver ``frame`` (for ``request_id``) to the decode worker at ``target`` ("host:port").
+
+        Raises KvTransferError on any failure, including rejection by the receiver.
+        """
+        ...
+
+
+class InProcessKvTransfer:
+    """KvSender delivering to receivers registered in this process.
+
+    Every frame is split with :func:`iter_chunks` into ``chunk_bytes`` pieces
+    and reassembled with a :class:`FrameAssembler` bounded by ``limits`` before
+    the receiver sees it.  ``chunks_sent`` counts chunks over the lifetime of
+    the object.  Raises ValueError if ``chunk_bytes <= 0``.
+    """
+
+    def __init__(self, chunk_bytes: int = 1 << 20, limits: KvLimits = KvLimits()):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.limits = limits
+        self.chunks_sent = 0
+        self._receivers: dict[str, KvReceiver] = {}
+
+    def register(self, target: str, receiver: KvReceiver) -> None:
+        """Route frames sent to ``target`` to ``receiver`` (replacing any previous one)."""
+        self._receivers[target] = receiver
+
+    async def send_kv(self, target: str, request_id: str, frame: bytes) -> None:
+        """Chunk, reassemble and hand ``frame`` to the receiver registered for ``target``.
+
+        Raises KvTransferError if ``target`` is unknown, if reassembly exceeds
+        ``limits`` (cause: KvCodecError), or if the receiver raises (the
+        receiver's exception is chained as ``__cause__``).
+        """
+        receiver = self._receivers.get(target)
+        if receiver is None:
+            raise KvTransferError(f"unknown kv target {target!r} for request {request_id!r}")
+        assembler = FrameAssembler(self.limits)
+        try:
+            for chunk in iter_chunks(frame, self.chunk_bytes):
+                assembler.add(chunk)
+                self.chunks_sent += 1
+        except KvCodecError as e:
+            raise KvTransferError(f"kv frame for request {request_id!r} refused in transit: {e}") from e
+        try:
+            await receiver.receive_kv(assembler.frame())
+        except Exception as e:
+            raise KvTransferError(
+                f"{target} rejected kv for request {request_id!r}: {type(e).__name__}: {e}"
+            ) from e

@@ -1,0 +1,78 @@
+"""Find a model folder (embedded, local Hugging Face folder, or hub id) and load its weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.config import ModelConfig
+from engine.models.embedded import resolve_embedded
+
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """Local folder for a model spec.
+
+    ``None`` / ``"embedded"`` / ``"embedded:<preset>"``: the embedded model, built on first use.
+    An existing folder: used as is. Anything else: a Hugging Face hub id, downloaded with
+    ``huggingface_hub.snapshot_download`` (needs network). Raises FileNotFoundError with a
+    readable message when the spec is neither a folder nor a downloadable hub id.
+    """
+    embedded = resolve_embedded(model)
+    if embedded is not None:
+        return embedded
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} is not a folder and not a Hugging Face hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # network, auth or missing repo: one readable message
+        raise FileNotFoundError(f"could not download model {model!r} from the Hugging Face hub: {exc}") from exc
+
+
+def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Read every safetensors shard in ``folder`` into ``{hf_name: tensor}`` on ``device``.
+
+    Raises FileNotFoundError when there are no safetensors files and KeyError naming the first
+    missing tensor.
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        for key, tensor in load_file(str(folder / name), device="cpu").items():
+            if key.startswith("model.") or key == "lm_head.weight":
+                weights[key] = tensor.to(device=device, dtype=dtype)
+    for key in required_tensor_names(cfg):
+        if key not in weights:
+            raise KeyError(f"weights in {folder} lack tensor {key!r}")
+    return weights
+
+
+def required_tensor_names(cfg: ModelConfig) -> list[str]:
+    """Hugging Face names of the tensors the forward pass needs."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if cfg.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names

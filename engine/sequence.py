@@ -1,0 +1,79 @@
+"""A request's state inside an engine: tokens, KV block table, status, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # needs a prefill (new, or preempted and to be recomputed)
+    RUNNING = "running"      # KV present; in the decode batch
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"            # EOS token
+    LENGTH = "length"        # max_tokens
+    ABORT = "abort"          # cancelled
+    ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    """One request. ``token_ids`` = prompt followed by generated tokens.
+
+    Invariant while RUNNING: the KV cache holds every position except the last token, which is the
+    next decode input. ``block_table`` lists the KV block ids covering positions 0.. in order.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    prefill_start_ns: int = 0
+    prefill_end_ns: int = 0
+
+    @classmethod
+    def new(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+            eos_token_ids: frozenset[int] = frozenset()) -> "Sequence":
+        """A waiting sequence for a prompt; ValueError for an empty prompt."""
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, eos_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int) -> None:
+        """Add a sampled token and finish the sequence on EOS or max_tokens."""
+        self.token_ids.append(token)
+        if not self.sampling.ignore_eos and token in self.eos_token_ids:
+            self.finish(FinishReason.STOP)
+        elif self.num_output_tokens >= self.sampling.max_tokens:
+            self.finish(FinishReason.LENGTH)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,82 @@
+"""gRPC plumbing shared by every server: health checking, reflection, per-request streams."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Large enough for KV chunks and long prompts; KV chunks stay <= 1 MiB by default anyway.
+MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+async def start_server(register: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+                       host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection.
+
+    register: (add_XServicer_to_server, servicer, full service name) triples. Every service is
+    reported SERVING. Returns the server and the bound port (``port=0`` picks a free one).
+    Raises RuntimeError when the port cannot be bound.
+    """
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for add, servicer, name in register:
+        add(servicer, server)
+        names.append(name)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+@dataclass
+class RequestStreams:
+    """Per-request asyncio queues fed from any thread (the engine thread puts, handlers get)."""
+
+    loop: asyncio.AbstractEventLoop
+    _queues: dict[str, asyncio.Queue] = field(default_factory=dict)
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """New queue for ``request_id``; ValueError when that id is already in flight here."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight on this worker")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def put(self, request_id: str, event: Any) -> None:
+        """Deliver ``event`` to the request's queue; thread-safe; dropped if the stream is closed."""
+        self.loop.call_soon_threadsafe(self._put, request_id, event)
+
+    def _put(self, request_id: str, event: Any) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(event)
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+
+async def drain(q: asyncio.Queue) -> list[Any]:
+    """Wait for one item, then take every item already queued (coalesces tokens into one message)."""
+    items = [await q.get()]
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items

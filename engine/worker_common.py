@@ -1,0 +1,163 @@
+"""Pieces every worker role composes: token events, the WorkerService servicer, stream relay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import grpc
+
+from engine.engine import StepError, StepOutput
+from engine.loop import EngineLoop
+from engine.serving import RequestStreams, drain
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason, Sequence
+from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+FINISH_TO_PROTO = {
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class TokenEvent:
+    """A sampled token; ``finish`` is set when it is the last one."""
+
+    token: int
+    finish: FinishReason | None
+    seq: Sequence
+    at_ns: int
+
+
+@dataclass
+class ErrorEvent:
+    """The request failed inside the engine."""
+
+    message: str
+
+
+def sampling_from_proto(s: worker_pb2.ResolvedSampling) -> SamplingParams:
+    """ValueError (readable) for invalid values."""
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                          max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
+
+
+def publish_outputs(streams: RequestStreams, outputs: list[StepOutput]) -> None:
+    """Engine-thread callback: one TokenEvent per output into its request's stream."""
+    now = time.monotonic_ns()
+    for out in outputs:
+        streams.put(out.seq.request_id, TokenEvent(out.token, out.seq.finish_reason, out.seq, now))
+
+
+def publish_step_error(streams: RequestStreams, err: StepError) -> None:
+    """Engine-thread callback: fail every request of the failed step."""
+    for seq in err.seqs:
+        streams.put(seq.request_id, ErrorEvent(str(err)))
+
+
+async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
+                       final_timings: Callable[[Sequence, int], generate_pb2.Timings]
+                       ) -> AsyncIterator[worker_pb2.TokenBatch]:
+    """Turn a request's events into TokenBatch messages until its last token.
+
+    Tokens already queued are coalesced into one message. ``final_timings(seq, end_ns)`` fills the
+    last message's timings. An ErrorEvent aborts the RPC with INTERNAL.
+    """
+    while True:
+        events = await drain(q)
+        tokens = []
+        for ev in events:
+            if isinstance(ev, ErrorEvent):
+                await context.abort(grpc.StatusCode.INTERNAL, ev.message)
+            tokens.append(ev.token)
+            if ev.finish is not None:
+                yield worker_pb2.TokenBatch(token_ids=tokens, finish_reason=FINISH_TO_PROTO[ev.finish],
+                                            timings=final_timings(ev.seq, ev.at_ns))
+                return
+        yield worker_pb2.TokenBatch(token_ids=tokens)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """GetStats and Abort for any role. ``extra_stats()`` adds role-specific fields."""
+
+    def __init__(self, role: str, loop: EngineLoop, extra_stats: Callable[[], dict] = dict) -> None:
+        self.role = role
+        self.loop = loop
+        self.extra_stats = extra_stats
+
+    async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
+        stats = await asyncio.wrap_future(self.loop.submit(lambda e: e.stats()))
+        return worker_pb2.WorkerStats(role=self.role, **stats, **self.extra_stats())
+
+    async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
+        seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.abort(request.request_id)))
+        return worker_pb2.WorkerAbortResponse(aborted=seq is not None)
+
+
+async def abort_quietly(loop: EngineLoop, request_id: str) -> None:
+    """Abort a request on the engine (frees its blocks); ignores a stopped loop."""
+    try:
+        await asyncio.wrap_future(loop.submit(lambda e: e.abort(request_id)))
+    except RuntimeError:
+        pass
+
+
+@dataclass
+class RunningWorker:
+    """A role object served by a started gRPC server at ``address``."""
+
+    worker: object
+    server: grpc.aio.Server
+    address: str
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.server.stop(grace_s)
+        await self.worker.stop()
+
+
+async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int) -> RunningWorker:
+    """Start ``worker``'s engine thread and a gRPC server with its role service + WorkerService."""
+    from engine.serving import start_server
+
+    worker.start()
+    stats = WorkerServicer(worker.role, worker.loop, worker.extra_stats)
+    server, bound = await start_server([
+        (add_role_servicer, worker, role_service),
+        (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
+    ], host, port)
+    return RunningWorker(worker, server, f"{host}:{bound}")
+
+
+def add_engine_args(parser) -> None:
+    """Engine flags shared by the worker entry points and ``pdserve serve``."""
+    parser.add_argument("--model", default=None,
+                        help="HF folder or hub id; default: the embedded model ('embedded:<preset>' picks a preset)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV cache size in blocks (default: from --kv-cache-gib)")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV cache memory per worker, GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096, help="max tokens per prefill batch")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context window cap, tokens")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+
+
+def engine_config_from_args(args, model_dir: str | None = None) -> "EngineConfig":
+    """EngineConfig from ``add_engine_args`` flags; ``model_dir`` overrides ``--model``."""
+    import torch
+
+    from engine.config import EngineConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return EngineConfig(model=model_dir or args.model or "embedded", block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, dtype=args.dtype, device=device,
+                        torch_threads=args.threads)

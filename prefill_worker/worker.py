@@ -1,0 +1,128 @@
+"""Prefill role: batches prompts, returns the first token, pushes the KV cache to a decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from engine.engine import Engine, StepError, StepOutput
+from engine.kv_codec import KvPayload, pack_kv
+from engine.kv_transfer import KvSender, KvTransferError
+from engine.loop import EngineLoop
+from engine.sequence import FinishReason
+from engine.serving import RequestStreams
+from engine.worker_common import FINISH_TO_PROTO, ErrorEvent, abort_quietly, publish_step_error, sampling_from_proto
+from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillDone:
+    """First token of a request; ``payload`` is None when that token already finished it."""
+
+    token: int
+    finish: FinishReason | None
+    payload: KvPayload | None
+    queue_ns: int
+    prefill_ns: int
+    first_token_unix_ns: int
+
+
+class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
+    """Composes an Engine, its EngineLoop and a KvSender.
+
+    After each prefill step every sequence leaves the engine at once (``Engine.extract_kv``), so its
+    blocks are free before the next step and this engine never runs a decode step.
+    """
+
+    role = "prefill"
+
+    def __init__(self, engine: Engine, kv_sender: KvSender) -> None:
+        self.engine = engine
+        self.kv_sender = kv_sender
+        self.loop = EngineLoop(engine, self._on_outputs, self._on_step_error)
+        self.streams: RequestStreams | None = None
+        self._pushes: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that serves gRPC."""
+        self.streams = RequestStreams(asyncio.get_running_loop())
+        self.loop.start()
+
+    async def stop(self) -> None:
+        self.loop.stop()
+        for task in list(self._pushes):
+            task.cancel()
+
+    def extra_stats(self) -> dict:
+        return {}
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
+        wall = time.time_ns()
+        for out in outputs:
+            seq = out.seq
+            payload = None if seq.is_finished else self.engine.extract_kv(seq)
+            if payload is not None:
+                payload.sampling["first_token_unix_ns"] = wall
+            self.streams.put(seq.request_id, PrefillDone(
+                out.token, seq.finish_reason, payload, seq.prefill_start_ns - seq.arrival_ns,
+                seq.prefill_end_ns - seq.prefill_start_ns, wall))
+
+    def _on_step_error(self, err: StepError) -> None:  # engine thread
+        publish_step_error(self.streams, err)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            q = self.streams.open(rid)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            prompt = list(request.prompt_token_ids)
+            await asyncio.wrap_future(self.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
+            done = await q.get()
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except asyncio.CancelledError:
+            await abort_quietly(self.loop, rid)
+            raise
+        finally:
+            self.streams.close(rid)
+        if isinstance(done, ErrorEvent):
+            await context.abort(grpc.StatusCode.INTERNAL, done.message)
+        if done.payload is not None:
+            task = asyncio.create_task(self._push(request.decode_address, done.payload))
+            self._pushes.add(task)
+            task.add_done_callback(self._pushes.discard)
+        finish = FINISH_TO_PROTO[done.finish] if done.finish else generate_pb2.FINISH_REASON_UNSPECIFIED
+        return worker_pb2.PrefillResponse(first_token=done.token, finish_reason=finish, queue_ns=done.queue_ns,
+                                          prefill_ns=done.prefill_ns, first_token_unix_ns=done.first_token_unix_ns)
+
+    async def _push(self, target: str, payload: KvPayload) -> None:
+        """Serialize off the event loop, then stream to the decode worker. Failures are logged; the
+        decode side fails the request when its KV wait times out or the push is refused."""
+        try:
+            frame = await asyncio.to_thread(pack_kv, payload)
+            await self.kv_sender.send_kv(target, payload.request_id, frame)
+        except KvTransferError as exc:
+            log.warning("%s", exc)
+
+
+async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
+    """Build the engine (off the event loop) and serve PrefillService + WorkerService.
+
+    Returns an ``engine.worker_common.RunningWorker``; ``port=0`` picks a free port.
+    """
+    from engine.worker_common import serve_worker
+    from prefill_worker.kv_sender import GrpcKvSender
+
+    engine = await asyncio.to_thread(Engine, cfg)
+    worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
+    return await serve_worker(worker, worker_pb2_grpc.add_PrefillServiceServicer_to_server,
+                              "pdserve.v1.PrefillService", host, port)

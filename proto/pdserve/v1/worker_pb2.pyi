@@ -1,0 +1,128 @@
+from proto.pdserve.v1 import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ResolvedSampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_tokens: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: ResolvedSampling
+    decode_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "finish_reason", "queue_ns", "prefill_ns", "first_token_unix_ns")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    finish_reason: _generate_pb2.FinishReason
+    queue_ns: int
+    prefill_ns: int
+    first_token_unix_ns: int
+    def __init__(self, first_token: _Optional[int] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("request_id", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushKvResponse(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "kv_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ColocatedRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: ResolvedSampling
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "timings")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _generate_pb2.FinishReason
+    timings: _generate_pb2.Timings
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_generate_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_AWAITING_KV_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    num_waiting: int
+    num_running: int
+    used_kv_blocks: int
+    free_kv_blocks: int
+    block_size: int
+    outstanding_prefill_tokens: int
+    num_awaiting_kv: int
+    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ...) -> None: ...
+
+class WorkerAbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class WorkerAbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
