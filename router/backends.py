@@ -1,0 +1,132 @@
+"""How the router reaches workers for one request: split (prefill pool -> decode pool) or colocated.
+
+Each backend turns a validated request into a stream of ``WorkerEvent``; the choice is made once,
+when the router is built.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from proto.pdserve.v1 import generate_pb2, worker_pb2
+from router.pool import WorkerPool
+from router.validation import ValidatedRequest
+
+KV_TIMEOUT_S = 30.0
+
+
+@dataclass
+class WorkerEvent:
+    """Tokens from a worker; ``finish`` (a FinishReason value) and ``timings`` are set on the last one."""
+
+    token_ids: list[int]
+    finish: int = generate_pb2.FINISH_REASON_UNSPECIFIED
+    timings: generate_pb2.Timings | None = None
+
+
+@dataclass
+class RequestState:
+    """What Abort needs to stop a request: its open worker calls."""
+
+    calls: list = field(default_factory=list)
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        for call in self.calls:
+            call.cancel()
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // max(block_size, 1))
+
+
+class SplitBackend:
+    """Prefill on one worker of the prefill pool, decode on one of the decode pool (DESIGN.md §3)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
+                     timeout: float | None) -> AsyncIterator[WorkerEvent]:
+        prefill_w, decode_w = self.pool.pick_prefill(), self.pool.pick_decode()
+        n = len(req.prompt_token_ids)
+        prefill_w.outstanding_prefill_tokens += n
+        prefill_w.active_requests += 1
+        decode_w.active_requests += 1
+        decode_w.routed_blocks_since_poll += _blocks(n + 1, decode_w.block_size)
+        decode_call = decode_w.decode.Decode(
+            worker_pb2.DecodeRequest(request_id=req.request_id, kv_timeout_s=KV_TIMEOUT_S), timeout=timeout)
+        state.calls.append(decode_call)
+        try:
+            await decode_call.initial_metadata()  # the decode worker now waits for this request's KV
+            t_prefill = time.monotonic_ns()
+            prefill_call = prefill_w.prefill.Prefill(worker_pb2.PrefillRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                decode_address=decode_w.address), timeout=timeout)
+            state.calls.append(prefill_call)
+            try:
+                first = await prefill_call
+            finally:
+                prefill_w.outstanding_prefill_tokens -= n
+                prefill_w.active_requests -= 1
+            timings = generate_pb2.Timings(queue_ns=t_prefill - t0_ns + first.queue_ns, prefill_ns=first.prefill_ns)
+            if first.finish_reason:
+                yield WorkerEvent([first.first_token], first.finish_reason, timings)
+                return
+            yield WorkerEvent([first.first_token])
+            async for batch in decode_call:
+                if batch.finish_reason:
+                    timings.kv_transfer_ns = batch.timings.kv_transfer_ns
+                    timings.decode_ns = batch.timings.decode_ns
+                    yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
+                    return
+                yield WorkerEvent(list(batch.token_ids))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "decode stream ended without a final message")
+        finally:
+            decode_call.cancel()
+            decode_w.active_requests -= 1
+
+
+class ColocatedBackend:
+    """One worker of the colocated pool runs both phases."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
+                     timeout: float | None) -> AsyncIterator[WorkerEvent]:
+        w = self.pool.pick_colocated()
+        n = len(req.prompt_token_ids)
+        w.outstanding_prefill_tokens += n
+        w.active_requests += 1
+        t_send = time.monotonic_ns()
+        call = w.colocated.Generate(worker_pb2.ColocatedRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling),
+            timeout=timeout)
+        state.calls.append(call)
+        prefilled = False
+        try:
+            async for batch in call:
+                if not prefilled:
+                    prefilled = True
+                    w.outstanding_prefill_tokens -= n
+                if batch.finish_reason:
+                    timings = generate_pb2.Timings()
+                    timings.CopyFrom(batch.timings)
+                    timings.queue_ns += t_send - t0_ns
+                    yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
+                    return
+                yield WorkerEvent(list(batch.token_ids))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "worker stream ended without a final message")
+        finally:
+            call.cancel()
+            if not prefilled:
+                w.outstanding_prefill_tokens -= n
+            w.active_requests -= 1

@@ -1,0 +1,113 @@
+"""A small asyncio gRPC client for GenerateService (used by ``pdserve generate``, the demo and tests)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine.serving import GRPC_OPTIONS
+from proto.pdserve.v1 import generate_pb2 as PB
+from proto.pdserve.v1 import generate_pb2_grpc
+
+FINISH_NAMES = {PB.FINISH_REASON_STOP: "stop", PB.FINISH_REASON_LENGTH: "length",
+                PB.FINISH_REASON_ABORT: "abort", PB.FINISH_REASON_ERROR: "error"}
+
+
+@dataclass
+class GenerationResult:
+    """One finished stream as the client saw it. Times are seconds (``time.perf_counter``)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str = ""
+    error: str = ""
+    sent_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrival time of each token
+    timings: PB.Timings | None = None
+    request_id: str = ""
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token, s (DESIGN.md §7)."""
+        return self.token_times[0] - self.sent_at if self.token_times else float("nan")
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first, s: (E2E - TTFT) / (n - 1); NaN for n < 2."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
+
+
+def make_request(prompt: str, max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                 stop: list[str] | None = None, ignore_eos: bool = False, request_id: str = "",
+                 prompt_token_ids: list[int] | None = None) -> PB.GenerateRequest:
+    """A GenerateRequest; unset values take the server defaults."""
+    sampling = PB.SamplingParams()
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = PB.GenerateRequest(request_id=request_id, prompt=prompt, sampling=sampling, stop=stop or [],
+                             ignore_eos=ignore_eos, prompt_token_ids=prompt_token_ids or [])
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    return req
+
+
+class Client:
+    """Async client over one channel to the router at ``address`` ("host:port")."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+
+    async def stream(self, request: PB.GenerateRequest, timeout: float | None = None
+                     ) -> AsyncIterator[PB.GenerateResponse]:
+        """Raw response stream; raises grpc.aio.AioRpcError for a refused request."""
+        async for msg in self.stub.Generate(request, timeout=timeout):
+            yield msg
+
+    async def generate(self, request: PB.GenerateRequest, timeout: float | None = None, on_text=None
+                       ) -> GenerationResult:
+        """Run a request to its end; ``on_text(str)`` is called with every text delta.
+
+        Raises grpc.aio.AioRpcError when the server refuses the request (e.g. INVALID_ARGUMENT).
+        """
+        res = GenerationResult(sent_at=time.perf_counter())
+        async for msg in self.stream(request, timeout):
+            now = time.perf_counter()
+            kind = msg.WhichOneof("kind")
+            text = ""
+            if kind == "chunk":
+                res.token_ids += msg.chunk.token_ids
+                res.token_times += [now] * len(msg.chunk.token_ids)
+                res.prompt_tokens = msg.chunk.usage.prompt_tokens
+                text = msg.chunk.text
+            elif kind == "complete":
+                res.finish_reason = FINISH_NAMES.get(msg.complete.finish_reason, "")
+                res.timings = msg.complete.timings
+                res.request_id = msg.complete.request_id
+                res.prompt_tokens = msg.complete.usage.prompt_tokens
+                text = msg.complete.text
+            else:
+                res.finish_reason, res.error = "error", f"{msg.error.code}: {msg.error.message}"
+            res.text += text
+            if text and on_text is not None:
+                on_text(text)
+        return res
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self.stub.Abort(PB.AbortRequest(request_id=request_id))).aborted
+
+    async def model_info(self) -> PB.ModelInfo:
+        return await self.stub.GetModelInfo(PB.GetModelInfoRequest())

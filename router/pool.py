@@ -1,0 +1,130 @@
+"""The router's view of the workers: channels, load counters, and the routing policies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.serving import GRPC_OPTIONS
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.1
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No healthy worker of the needed role (maps to UNAVAILABLE)."""
+
+
+@dataclass
+class WorkerHandle:
+    """One worker: address, stubs and what the router knows of its load.
+
+    ``outstanding_prefill_tokens``: prompt tokens sent to it and not yet answered (router-side count).
+    ``free_kv_blocks``: from the last GetStats poll, minus blocks routed to it since.
+    """
+
+    role: str
+    address: str
+    channel: grpc.aio.Channel = field(repr=False)
+    healthy: bool = True
+    outstanding_prefill_tokens: int = 0
+    active_requests: int = 0
+    free_kv_blocks: int = 0
+    block_size: int = 16
+    routed_blocks_since_poll: int = 0
+
+    @classmethod
+    def connect(cls, role: str, address: str) -> "WorkerHandle":
+        return cls(role, address, grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
+
+    @property
+    def prefill(self) -> worker_pb2_grpc.PrefillServiceStub:
+        return worker_pb2_grpc.PrefillServiceStub(self.channel)
+
+    @property
+    def decode(self) -> worker_pb2_grpc.DecodeServiceStub:
+        return worker_pb2_grpc.DecodeServiceStub(self.channel)
+
+    @property
+    def colocated(self) -> worker_pb2_grpc.ColocatedServiceStub:
+        return worker_pb2_grpc.ColocatedServiceStub(self.channel)
+
+    @property
+    def admin(self) -> worker_pb2_grpc.WorkerServiceStub:
+        return worker_pb2_grpc.WorkerServiceStub(self.channel)
+
+
+class WorkerPool:
+    """Workers by role plus the policies:
+
+    - prefill: least outstanding prefill tokens (ties: fewer active requests);
+    - decode: most free KV blocks (ties: fewer active requests);
+    - colocated ("both"): least outstanding prefill tokens, then fewest active requests.
+    """
+
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str]) -> None:
+        self.workers = ([WorkerHandle.connect("prefill", a) for a in prefill]
+                        + [WorkerHandle.connect("decode", a) for a in decode]
+                        + [WorkerHandle.connect("both", a) for a in both])
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def placement(self) -> str:
+        return "colocated" if any(w.role == "both" for w in self.workers) else "split"
+
+    def _candidates(self, role: str) -> list[WorkerHandle]:
+        ws = [w for w in self.workers if w.role == role and w.healthy]
+        if not ws:
+            raise NoWorkerAvailable(f"no healthy {role} worker is available")
+        return ws
+
+    def pick_prefill(self) -> WorkerHandle:
+        return min(self._candidates("prefill"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
+
+    def pick_decode(self) -> WorkerHandle:
+        return max(self._candidates("decode"),
+                   key=lambda w: (w.free_kv_blocks - w.routed_blocks_since_poll, -w.active_requests))
+
+    def pick_colocated(self) -> WorkerHandle:
+        return min(self._candidates("both"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
+
+    async def refresh(self) -> None:
+        """Poll every worker's GetStats once; a failing worker is marked unhealthy until it answers."""
+
+        async def one(w: WorkerHandle) -> None:
+            try:
+                s = await w.admin.GetStats(worker_pb2.GetStatsRequest(), timeout=2.0)
+            except grpc.aio.AioRpcError as exc:
+                if w.healthy:
+                    log.warning("worker %s %s unhealthy: %s", w.role, w.address, exc.code().name)
+                w.healthy = False
+                return
+            w.healthy = True
+            w.free_kv_blocks, w.block_size, w.routed_blocks_since_poll = s.free_kv_blocks, s.block_size, 0
+
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            await self.refresh()
+
+    async def stats(self) -> list[tuple[WorkerHandle, worker_pb2.WorkerStats]]:
+        """Fresh GetStats of every worker (raises grpc errors)."""
+        replies = await asyncio.gather(*(w.admin.GetStats(worker_pb2.GetStatsRequest(), timeout=5.0)
+                                         for w in self.workers))
+        return list(zip(self.workers, replies))
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for w in self.workers:
+            await w.channel.close()

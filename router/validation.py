@@ -1,0 +1,73 @@
+"""Turns a client GenerateRequest into prompt ids and resolved sampling, or a readable error."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from engine.params import sampling_errors
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import generate_pb2, worker_pb2
+
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequest(ValueError):
+    """The request can never be served as sent; the message says why (maps to INVALID_ARGUMENT)."""
+
+
+@dataclass
+class ValidatedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: worker_pb2.ResolvedSampling
+    stop: list[str]
+
+
+def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
+             vocab_size: int) -> ValidatedRequest:
+    """Tokenize and resolve defaults. Raises InvalidRequest listing every problem found."""
+    errors: list[str] = []
+    if req.prompt_token_ids:
+        ids = list(req.prompt_token_ids)
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            errors.append(f"prompt_token_ids out of range [0, {vocab_size}): {bad[:5]}")
+    elif req.prompt:
+        ids = tokenizer.encode(req.prompt)
+    else:
+        ids = []
+    if not ids:
+        errors.append("prompt is empty: send a non-empty prompt or prompt_token_ids")
+    n = len(ids)
+    if n >= max_model_len:
+        errors.append(f"prompt has {n} tokens; the context window is {max_model_len} tokens "
+                      f"(prompt + max_tokens must fit)")
+    if req.HasField("max_tokens"):
+        max_tokens = req.max_tokens
+        if max_tokens >= 1 and n + max_tokens > max_model_len:
+            errors.append(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                          f"the context window of {max_model_len} tokens")
+    else:
+        max_tokens = max(1, max_model_len - n)
+    s = req.sampling
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    top_k = s.top_k if s.HasField("top_k") else 0
+    if math.isnan(temperature) or math.isnan(top_p):
+        errors.append("temperature and top_p must be numbers, got NaN")
+    else:
+        errors += sampling_errors(temperature, top_p, top_k, max_tokens)
+    stop = list(req.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        errors.append(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not x for x in stop):
+        errors.append("stop strings must be non-empty")
+    if errors:
+        raise InvalidRequest("; ".join(errors))
+    seed = s.seed if s.HasField("seed") else (0 if temperature == 0 else secrets.randbits(63))
+    sampling = worker_pb2.ResolvedSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                           max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+    return ValidatedRequest(req.request_id or uuid.uuid4().hex, ids, sampling, stop)
