@@ -1,0 +1,48 @@
+"""Ray actors that host the gRPC servers. Each actor runs its server on the actor's event loop."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+
+def _advertised_host(bind_host: str) -> str:
+    """Address other processes use: the node IP when bound to all interfaces, else the bind host."""
+    return ray.util.get_node_ip_address() if bind_host == "0.0.0.0" else bind_host
+
+
+@ray.remote
+class WorkerActor:
+    """One worker process; its role is fixed by ``start``."""
+
+    async def start(self, role: str, engine_cfg, bind_host: str) -> str:
+        """Build the engine, serve the role's gRPC services; returns the advertised "host:port"."""
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if role == "prefill":
+            from prefill_worker.worker import serve
+        elif role == "decode":
+            from decode_worker.worker import serve
+        else:
+            from decode_worker.colocated import serve
+        self.running = await serve(engine_cfg, bind_host, 0)
+        return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
+
+    async def stop(self) -> None:
+        await self.running.stop()
+
+
+@ray.remote(num_cpus=0)
+class RouterActor:
+    """The client-facing router."""
+
+    async def start(self, model_dir: str, prefill: list[str], decode: list[str], both: list[str],
+                    bind_host: str, port: int, max_model_len: int | None) -> str:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from router.server import serve
+
+        self.running = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len)
+        return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
+
+    async def stop(self) -> None:
+        await self.running.stop()

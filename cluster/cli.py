@@ -1,0 +1,124 @@
+"""The ``pdserve`` command: serve, generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+DEFAULT_PORT = 50051
+
+
+def _cluster_config(args):
+    from cluster.config import ClusterConfig
+    from engine.worker_common import engine_config_from_args
+
+    return ClusterConfig(engine=engine_config_from_args(args), placement=args.placement,
+                         num_prefill=args.prefill, num_decode=args.decode,
+                         cpus_per_worker=args.cpus_per_worker, router_host=args.host,
+                         router_port=args.port, ray_address=args.address)
+
+
+def add_cluster_args(p: argparse.ArgumentParser, port: int = DEFAULT_PORT) -> None:
+    from engine.worker_common import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--placement", choices=["split", "colocated"], default="split")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (split)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (split); colocated runs prefill+decode workers")
+    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs (and torch threads) per worker without GPUs")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--port", type=int, default=port, help="router port (0 = any free port)")
+    p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local Ray)")
+
+
+def cmd_serve(args) -> int:
+    from cluster.launch import start_cluster
+
+    cluster = start_cluster(_cluster_config(args))
+    print(f"pdserve {args.placement} cluster serving on {cluster.address} "
+          f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it", flush=True)
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop:
+            signal.pause()
+    finally:
+        print("shutting down...", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from router.client import Client, make_request
+
+    async def run() -> int:
+        req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                           ignore_eos=args.ignore_eos)
+        async with Client(args.router) as client:
+            try:
+                res = await client.generate(req, timeout=args.timeout,
+                                            on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+            except grpc.aio.AioRpcError as exc:
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 2
+        print()
+        if res.error:
+            print(f"error: {res.error}", file=sys.stderr)
+            return 1
+        print(f"[{res.finish_reason}] prompt {res.prompt_tokens} tokens, output {len(res.token_ids)} tokens, "
+              f"TTFT {res.ttft * 1e3:.1f} ms, TPOT {res.tpot * 1e3:.1f} ms", file=sys.stderr)
+        return 0
+
+    return asyncio.run(run())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start a cluster and serve gRPC until Ctrl-C")
+    add_cluster_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="stream one completion from a running router")
+    p.add_argument("prompt")
+    p.add_argument("--router", default=None, help="router host:port (default 127.0.0.1:--port)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    p.set_defaults(func=cmd_generate)
+
+    from cluster.demo import add_demo_parser
+
+    add_demo_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "router", "x") is None:
+        args.router = f"127.0.0.1:{args.port}"
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""What a pdserve cluster is made of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.config import EngineConfig
+
+PLACEMENTS = ("split", "colocated")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A router plus workers on Ray.
+
+    split: ``num_prefill`` prefill workers + ``num_decode`` decode workers, each on its own device
+    (one GPU each when GPUs exist; otherwise ``cpus_per_worker`` CPUs and as many torch threads).
+    colocated: ``num_prefill + num_decode`` workers of role "both" with the same per-worker resources,
+    so both placements use the same total hardware.
+    ``ray_address`` None starts a local Ray instance; otherwise joins that cluster.
+    """
+
+    engine: EngineConfig
+    placement: str = "split"
+    num_prefill: int = 1
+    num_decode: int = 1
+    cpus_per_worker: int = 1
+    router_host: str = "127.0.0.1"
+    router_port: int = 50051
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode worker (colocated uses their sum)")
+        if self.cpus_per_worker < 1:
+            raise ValueError("cpus_per_worker must be >= 1")
+
+    @property
+    def roles(self) -> list[str]:
+        """Role of each worker to start, in order."""
+        if self.placement == "colocated":
+            return ["both"] * (self.num_prefill + self.num_decode)
+        return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+
+    def worker_engine(self, use_gpu: bool) -> EngineConfig:
+        """Engine settings for one worker: its device and, on CPU, its thread count."""
+        if use_gpu:
+            return replace(self.engine, device="cuda")
+        return replace(self.engine, device="cpu", torch_threads=self.engine.torch_threads or self.cpus_per_worker)

@@ -1,0 +1,106 @@
+"""Start and stop a pdserve cluster (router + workers) on a local or existing Ray instance."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import ray
+
+from cluster.actors import RouterActor, WorkerActor
+from cluster.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Cluster:
+    """A running cluster. ``address`` is the router's "host:port"; ``workers`` maps address -> role."""
+
+    config: ClusterConfig
+    address: str = ""
+    workers: dict[str, str] = field(default_factory=dict)
+    _actors: list = field(default_factory=list, repr=False)
+    _started_ray: bool = False
+
+    def stop(self) -> None:
+        """Stop the router, then the workers; shut Ray down if this cluster started it."""
+        for actor in reversed(self._actors):  # router first: it was started last
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception as exc:  # a dead actor must not keep the others alive
+                log.warning("stopping actor failed: %s", exc)
+            ray.kill(actor)
+        self._actors.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _init_ray(cfg: ClusterConfig, needed_cpus: int) -> bool:
+    """Connect to Ray; returns True when a local instance was started here."""
+    if ray.is_initialized():
+        return False
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, configure_logging=False, log_to_driver=True)
+        return False
+    cpus = os.cpu_count() or 1
+    if needed_cpus > cpus:
+        log.warning("placement asks for %d CPUs, this machine has %d: workers will share cores",
+                    needed_cpus, cpus)
+    ray.init(num_cpus=max(cpus, needed_cpus), include_dashboard=False, configure_logging=False,
+             log_to_driver=True)
+    return True
+
+
+def start_cluster(cfg: ClusterConfig) -> Cluster:
+    """Start workers (in parallel), then the router; returns once the router serves.
+
+    Split placement gives each worker one GPU when the Ray cluster has GPUs, else ``cpus_per_worker``
+    CPUs. Worker addresses are discovered from the actors. Raises RuntimeError (after stopping what
+    started) when a worker or the router fails to start.
+    """
+    model_dir = _resolve_model(cfg)
+    cfg = replace(cfg, engine=replace(cfg.engine, model=str(model_dir)))
+    roles = cfg.roles
+    started = _init_ray(cfg, len(roles) * cfg.cpus_per_worker)
+    cluster = Cluster(cfg, _started_ray=started)
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= len(roles)
+    bind = "127.0.0.1" if started else "0.0.0.0"
+    t0 = time.monotonic()
+    try:
+        engine_cfg = cfg.worker_engine(use_gpu)
+        opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cfg.cpus_per_worker}
+        actors = [WorkerActor.options(**opts).remote() for _ in roles]
+        cluster._actors.extend(actors)
+        addresses = ray.get([a.start.remote(r, engine_cfg, bind) for a, r in zip(actors, roles)],
+                            timeout=START_TIMEOUT_S)
+        cluster.workers = dict(zip(addresses, roles))
+        by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "both")}
+        router = RouterActor.remote()
+        cluster._actors.append(router)
+        router_bind = cfg.router_host if started else "0.0.0.0"
+        cluster.address = ray.get(router.start.remote(
+            str(model_dir), by_role["prefill"], by_role["decode"], by_role["both"], router_bind,
+            cfg.router_port, cfg.engine.max_model_len), timeout=START_TIMEOUT_S)
+    except Exception as exc:
+        cluster.stop()
+        raise RuntimeError(f"cluster failed to start: {exc}") from exc
+    log.info("cluster up in %.1fs: router %s, workers %s", time.monotonic() - t0, cluster.address, cluster.workers)
+    return cluster
+
+
+def _resolve_model(cfg: ClusterConfig):
+    """Resolve the model once in the driver so every actor loads the same folder."""
+    from engine.models.loader import resolve_model_dir
+
+    return resolve_model_dir(cfg.engine.model)
