@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.kv_codec import KvPayload, ModelFingerprint
 from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_model_dir
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ import grpc
 from engine.engine import StepError, StepOutput
 from engine.loop import EngineLoop
 from engine.serving import RequestStreams, drain
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.sequence import FinishReason, Sequence
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
