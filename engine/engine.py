@@ -7,7 +7,6 @@ sequences with ``admit_kv`` and runs decode steps; a colocated worker does both 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +61,9 @@ class Engine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_cfg.eos_token_ids)
         self.max_model_len = min(cfg.max_model_len or self.model_cfg.max_position_embeddings,
                                  self.model_cfg.max_position_embeddings)
-        tokenizer_hash = hashlib.sha256((self.model_dir / "tokenizer.json").read_bytes()).hexdigest()
         mc = self.model_cfg
         self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            cfg.dtype, cfg.block_size, tokenizer_hash)
+                                            cfg.dtype, cfg.block_size, self.tokenizer.content_hash)
 
     # -- requests -------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:

@@ -1,0 +1,75 @@
+"""Shared fixtures: model folders (embedded, and the real stories260K when ../shared has it)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+STORIES = SHARED / "models" / "stories260K-hf"
+
+# Greedy references from ../shared/models/stories260K-hf/SOURCE.md (max_new_tokens=40).
+STORIES_REFERENCES = {
+    "Once upon a time": [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410,
+                         408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370,
+                         432, 352, 266, 268, 388, 426],
+    "Lily and Tom went to the park": [426, 342, 394, 261, 370, 268, 414, 444, 335, 261, 370, 268, 414, 444, 426,
+                                      342, 391, 266, 267, 337, 335, 312, 426, 342, 391, 266, 267, 337, 335, 265,
+                                      268, 414, 444, 426, 342, 391, 266, 267, 337, 335],
+}
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"{STORIES} is absent")
+    return STORIES
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    from engine.models.embedded import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session", params=["embedded", "stories260K"])
+def model_dir(request) -> Path:
+    """Both test models; the real one skips when absent."""
+    return request.getfixturevalue("embedded_dir" if request.param == "embedded" else "stories_dir")
+
+
+@functools.lru_cache(maxsize=4)
+def _hf(model_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: transformers generate(), greedy, float32, one prompt at a time."""
+    import torch
+
+    model, _ = _hf(str(model_dir))
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_tokenizer(model_dir: Path):
+    return _hf(str(model_dir))[1]
+
+
+def mixed_prompts() -> list[str]:
+    """Ten prompts of different lengths (a few tokens to a few hundred), English and Chinese."""
+    story = "The little dog ran to the park and played with a red ball until the sun went down. "
+    zh = "小明今天去公园玩，他看到了一只可爱的小狗。"
+    return [
+        "Hi", "Once upon a time", "Lily and Tom went to the park", "请写一首关于春天的诗。",
+        "How can I improve my time management skills?", zh, story * 3, zh * 6, story * 12,
+        "草拟一封专业邮件，寻求您的主管对您准备的季度财务报告的反馈。" + story * 4,
+    ]

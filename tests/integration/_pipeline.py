@@ -1,0 +1,61 @@
+"""Start real gRPC workers and a router on loopback inside the test's event loop (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+
+@dataclass
+class Pipeline:
+    address: str            # router host:port
+    workers: list           # RunningWorker objects
+    router: object          # RunningRouter
+
+    async def used_blocks(self) -> int:
+        """Sum of used KV blocks over all workers, read through WorkerService.GetStats."""
+        import grpc
+
+        total = 0
+        for w in self.workers:
+            async with grpc.aio.insecure_channel(w.address) as ch:
+                s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+                total += s.used_kv_blocks + s.num_waiting + s.num_running
+        return total
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> int:
+        """Poll until no worker holds KV blocks or sequences; returns the last count."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            used = await self.used_blocks()
+            if used == 0 or asyncio.get_running_loop().time() > deadline:
+                return used
+            await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
+                         block_size: int = 16, **engine_kw):
+    import decode_worker.colocated as colocated
+    import decode_worker.worker as decode
+    import prefill_worker.worker as prefill
+    import router.server as router
+    from engine.config import EngineConfig
+
+    cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, **engine_kw)
+    if placement == "split":
+        workers = list(await asyncio.gather(prefill.serve(cfg), decode.serve(cfg)))
+        r = await router.serve(model, prefill=[workers[0].address], decode=[workers[1].address])
+    else:
+        workers = [await colocated.serve(cfg)]
+        r = await router.serve(model, both=[workers[0].address])
+    try:
+        yield Pipeline(r.address, workers, r)
+    finally:
+        await r.stop()
+        for w in workers:
+            await w.stop()
