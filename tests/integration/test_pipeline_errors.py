@@ -1,0 +1,183 @@
+"""Bad input, cancellation, aborts and refused KV: clear errors, other requests unharmed, no block leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.kv_codec import KvPayload, ModelFingerprint, pack_kv
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.client import Client, make_request
+from tests.integration._pipeline import local_pipeline
+
+BAD_REQUESTS = [
+    (make_request(""), "prompt is empty"),
+    (make_request("hello", max_tokens=0), "max_tokens must be >= 1"),
+    (make_request("hello", temperature=-1.0), "temperature must be"),
+    (make_request("hello", temperature=float("nan")), "NaN"),
+    (make_request("hello", top_p=0.0), "top_p must be in (0, 1]"),
+    (make_request("hello", top_p=1.5), "top_p must be in (0, 1]"),
+    (make_request("hello", top_k=-3), "top_k must be >= 0"),
+    (make_request("hello", max_tokens=5000), "exceeds the context window"),
+    (make_request("word " * 3000), "context window"),
+    (make_request("", prompt_token_ids=[5, 10**6]), "out of range"),
+    (make_request("hello", stop=[""]), "stop strings must be non-empty"),
+]
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+async def test_bad_requests_get_invalid_argument_and_service_continues(embedded_dir, placement):
+    async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
+        for req, needle in BAD_REQUESTS:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.generate(req)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+            assert needle in info.value.details(), (needle, info.value.details())
+            ok = await client.generate(make_request("still serving?", max_tokens=3, ignore_eos=True))
+            assert len(ok.token_ids) == 3
+        assert await pipe.wait_idle() == 0
+
+
+async def test_duplicate_request_id_refused(embedded_dir):
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        first = asyncio.create_task(client.generate(make_request("a", max_tokens=200, ignore_eos=True,
+                                                                 request_id="dup")))
+        await asyncio.sleep(0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.generate(make_request("b", max_tokens=2, request_id="dup"))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert len((await first).token_ids) == 200
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+async def test_cancel_and_abort_free_every_block(embedded_dir, placement):
+    async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
+        long = make_request("a long answer please " * 20, max_tokens=1500, ignore_eos=True)
+        # client-side cancellation after two chunks
+        call = client.stub.Generate(long)
+        got = 0
+        async for _ in call:
+            got += 1
+            if got == 2:
+                call.cancel()
+                break
+        # Abort RPC on another in-flight request; a third request runs to completion meanwhile
+        aborted_req = make_request("abort me " * 30, max_tokens=1500, ignore_eos=True, request_id="victim")
+        victim = asyncio.create_task(client.generate(aborted_req))
+        bystander = asyncio.create_task(client.generate(make_request("bystander", max_tokens=30, ignore_eos=True)))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if await client.abort("victim"):
+                break
+        else:
+            pytest.fail("victim never became abortable")
+        res = await victim
+        assert res.finish_reason == "abort"
+        assert 0 < len(res.token_ids) < 1500
+        assert len((await bystander).token_ids) == 30
+        assert await client.abort("unknown-id") is False
+        assert await pipe.wait_idle() == 0
+
+
+async def test_health_and_reflection_on_every_server(embedded_dir):
+    async with local_pipeline(embedded_dir, "split") as pipe:
+        for address in [pipe.address] + [w.address for w in pipe.workers]:
+            async with grpc.aio.insecure_channel(address) as ch:
+                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+                replies = [r async for r in stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+                names = {s.name for s in replies[0].list_services_response.service}
+                assert "grpc.health.v1.Health" in names
+                assert names & {"pdserve.v1.GenerateService", "pdserve.v1.PrefillService",
+                                "pdserve.v1.DecodeService"}
+
+
+def _payload(engine_fp: ModelFingerprint, request_id: str, **fp_changes) -> bytes:
+    import dataclasses
+
+    import torch
+
+    fp = dataclasses.replace(engine_fp, **fp_changes)
+    kv = torch.zeros(fp.num_layers, 2, 3, fp.num_kv_heads, fp.head_dim, dtype=getattr(torch, fp.dtype))
+    return pack_kv(KvPayload(request_id, fp, [1, 2, 3], 4,
+                             {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "max_tokens": 4,
+                              "ignore_eos": True}, kv))
+
+
+async def test_decode_refuses_bad_kv_and_times_out(embedded_dir):
+    async with local_pipeline(embedded_dir, "split") as pipe:
+        decode = pipe.workers[1]
+        fp = decode.worker.engine.fingerprint
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            stub = worker_pb2_grpc.DecodeServiceStub(ch)
+
+            async def push(frame: bytes, rid: str):
+                return await stub.PushKv(iter([worker_pb2.KvChunk(request_id=rid, data=frame)]))
+
+            # nobody waits for this request: refused before assembly
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await push(_payload(fp, "ghost"), "ghost")
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # wrong fingerprint: the push and the waiting stream both fail with the reason
+            stream = stub.Decode(worker_pb2.DecodeRequest(request_id="r1", kv_timeout_s=10))
+            await stream.initial_metadata()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await push(_payload(fp, "r1", num_layers=fp.num_layers + 1), "r1")
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "num_layers" in info.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stream:
+                    pass
+            assert "num_layers" in info.value.details()
+
+            # corrupted bytes: checksum
+            stream = stub.Decode(worker_pb2.DecodeRequest(request_id="r2", kv_timeout_s=10))
+            await stream.initial_metadata()
+            frame = bytearray(_payload(fp, "r2"))
+            frame[-1] ^= 0xFF
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await push(bytes(frame), "r2")
+            assert "checksum" in info.value.details()
+            stream.cancel()
+
+            # no KV at all: bounded wait
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Decode(worker_pb2.DecodeRequest(request_id="r3", kv_timeout_s=0.3)):
+                    pass
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            # a valid frame is admitted and decoded to max_tokens
+            stream = stub.Decode(worker_pb2.DecodeRequest(request_id="r4", kv_timeout_s=10))
+            await stream.initial_metadata()
+            await push(_payload(fp, "r4"), "r4")
+            tokens = [t for b in [b async for b in stream] for t in b.token_ids]
+            assert len(tokens) == 3  # max_tokens 4, the first came from "prefill"
+        assert await pipe.wait_idle() == 0
+
+
+async def test_kv_push_is_chunked(stories_dir, monkeypatch):
+    """A long prompt's KV crosses as several messages of <= chunk_bytes (gRPC's 4 MiB limit is never hit)."""
+    import prefill_worker.kv_sender as kv_sender
+
+    chunks: list[int] = []
+    real = kv_sender.iter_chunks
+
+    def recording(frame, chunk_bytes):
+        for piece in real(frame, chunk_bytes):
+            chunks.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr(kv_sender, "iter_chunks", recording)
+    async with local_pipeline(stories_dir, "split") as pipe, Client(pipe.address) as client:
+        pipe.workers[0].worker.kv_sender.chunk_bytes = 64 << 10
+        res = await client.generate(make_request("Once upon a time " * 100, max_tokens=5, temperature=0))
+        assert len(res.token_ids) == 5
+        assert res.timings.kv_transfer_ns > 0
+    assert len(chunks) > 4 and max(chunks) <= 64 << 10
