@@ -1,0 +1,80 @@
+"""The real thing: a local Ray instance with 1 prefill + 1 decode worker and the router on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from router.client import Client, make_request
+from tests.conftest import STORIES_REFERENCES, hf_greedy, mixed_prompts
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def split_cluster(request):
+    from cluster.config import ClusterConfig
+    from cluster.launch import start_cluster
+    from engine.config import EngineConfig
+    from tests.conftest import STORIES
+
+    model = STORIES if (STORIES / "model.safetensors").is_file() else "embedded"
+    cluster = start_cluster(ClusterConfig(engine=EngineConfig(model=str(model), num_kv_blocks=512),
+                                          placement="split", router_port=0))
+    yield cluster
+    cluster.stop()
+    assert not ray.is_initialized()
+
+
+async def _used_blocks(cluster) -> int:
+    from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    total = 0
+    for address in cluster.workers:
+        async with grpc.aio.insecure_channel(address) as ch:
+            s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+            total += s.used_kv_blocks + s.num_running + s.num_waiting
+    return total
+
+
+def test_split_cluster_on_ray(split_cluster):
+    cluster = split_cluster
+    assert sorted(cluster.workers.values()) == ["decode", "prefill"]
+    assert all(a.startswith("127.0.0.1:") for a in [cluster.address, *cluster.workers])
+
+    async def run():
+        async with Client(cluster.address) as client:
+            info = await client.model_info()
+            assert info.placement == "split"
+            model_dir = info.model
+            prompts = mixed_prompts()
+            results = await asyncio.gather(*[client.generate(make_request(p, max_tokens=16, temperature=0))
+                                             for p in prompts])
+            from engine.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_folder(model_dir)
+            for p, res in zip(prompts, results):
+                assert res.token_ids == hf_greedy(model_dir, tok.encode(p), 16)
+                assert res.text == tok.decode(res.token_ids)
+            if model_dir.endswith("stories260K-hf"):
+                for p, ref in STORIES_REFERENCES.items():
+                    assert (await client.generate(make_request(p, max_tokens=40, temperature=0))).token_ids == ref
+            # a cancelled stream and a bad request in between
+            call = client.stub.Generate(make_request("cancel me " * 10, max_tokens=1000, ignore_eos=True))
+            async for _ in call:
+                call.cancel()
+                break
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.generate(make_request("", max_tokens=3))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            one = await client.generate(make_request("one", max_tokens=1))
+            assert len(one.token_ids) == 1
+        for _ in range(100):
+            if await _used_blocks(cluster) == 0:
+                return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"blocks still in use: {await _used_blocks(cluster)}")
+
+    asyncio.run(run())

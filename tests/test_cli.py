@@ -1,0 +1,70 @@
+"""The pdserve command as a user runs it: serve (colocated, on Ray) + generate, then Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import STORIES
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_lists_commands():
+    out = subprocess.run(PDSERVE + ["--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("serve", "generate", "demo"):
+        assert command in out
+
+
+def test_generate_without_server_fails_clearly():
+    port = _free_port()
+    run = subprocess.run(PDSERVE + ["generate", "hi", "--port", str(port), "--timeout", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "UNAVAILABLE" in run.stderr or "DEADLINE_EXCEEDED" in run.stderr
+
+
+def test_serve_generate_and_ctrl_c():
+    port = _free_port()
+    model = ["--model", str(STORIES)] if (STORIES / "model.safetensors").is_file() else []
+    serve = subprocess.Popen(PDSERVE + ["serve", "--placement", "colocated", "--port", str(port), *model],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        lines = []
+        while time.monotonic() < deadline:
+            line = serve.stdout.readline()
+            lines.append(line)
+            if "serving on" in line or serve.poll() is not None:
+                break
+        assert "serving on" in lines[-1], "".join(lines)
+        gen = subprocess.run(PDSERVE + ["generate", "Once upon a time", "--port", str(port), "--max-tokens", "40"],
+                             capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stderr
+        if model:
+            assert gen.stdout.startswith(", there was a little girl named Lily.")
+        assert "output 40 tokens" in gen.stderr and "TTFT" in gen.stderr
+        bad = subprocess.run(PDSERVE + ["generate", "", "--port", str(port)], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "prompt is empty" in bad.stderr
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            rc = serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            pytest.fail("pdserve serve did not stop within 60 s of Ctrl-C")
+    assert rc == 0
