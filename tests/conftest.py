@@ -50,14 +50,19 @@ def _hf(model_dir: str):
 
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference: transformers generate(), greedy, float32, one prompt at a time."""
+    """Reference: transformers generate(), greedy, float32, one prompt at a time (memoized)."""
+    return list(_hf_greedy(str(model_dir), tuple(prompt_ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=256)
+def _hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     import torch
 
-    model, _ = _hf(str(model_dir))
+    model, _ = _hf(model_dir)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    return tuple(out[0, len(prompt_ids):].tolist())
 
 
 def hf_tokenizer(model_dir: Path):

@@ -1,0 +1,94 @@
+"""Engine-level behaviour without gRPC: reference equality, preemption, KV hand-off, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine, KvCacheFullError
+from engine.kv_codec import pack_kv, unpack_kv
+from engine.params import SamplingParams
+from tests.conftest import hf_greedy, mixed_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)  # same length as the pipeline tests: reference reused
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_dir):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(embedded_dir)
+    return [tok.encode(p) for p in mixed_prompts()]
+
+
+def test_batched_greedy_equals_alone_and_reference(embedded_dir, prompts):
+    engine = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=512))
+    batched = engine.generate(prompts, GREEDY)
+    for p, out in zip(prompts, batched):
+        assert engine.generate([p], GREEDY)[0] == out
+        assert out == hf_greedy(embedded_dir, p, 24)
+    assert engine.blocks.num_used == 0
+
+
+def test_preemption_recomputes_identically(embedded_dir, prompts):
+    """A cache too small for every sequence at once forces preemption; tokens must not change."""
+    small = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=40, block_size=8))
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    picked = prompts[:6]
+    need = sum(small.blocks.blocks_for(len(p) + 60) for p in picked)
+    assert need > small.blocks.num_blocks, "the cache must be too small to hold every sequence"
+    preempted = []
+    original = small.scheduler._preempt
+
+    def spy(seq):
+        preempted.append(seq.request_id)
+        original(seq)
+
+    small.scheduler._preempt = spy
+    outs = small.generate(picked, params)
+    assert preempted, "no preemption happened; the test proves nothing"
+    big = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=1024, block_size=8))
+    assert outs == big.generate(picked, params)
+    assert small.blocks.num_used == 0
+
+
+def test_kv_handoff_between_engines_equals_single_engine(embedded_dir, prompts):
+    """Prefill on one engine, pack/unpack the KV, decode on another: the split path in-process."""
+    for dtype in ("float32", "bfloat16"):
+        prefill = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype))
+        decode = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, block_size=16, dtype=dtype))
+        params = SamplingParams(temperature=0.7, top_k=40, seed=7, max_tokens=12)
+        expected = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype)).generate(
+            prompts[:4], params)
+        for i, p in enumerate(prompts[:4]):
+            prefill.add_request(f"r{i}", p, params)
+        outs = prefill.step()
+        assert prefill.scheduler.running  # still there until extracted
+        payloads = [prefill.extract_kv(o.seq) for o in outs]
+        assert prefill.blocks.num_used == 0
+        seqs = [decode.admit_kv(unpack_kv(pack_kv(pl), decode.fingerprint)) for pl in payloads]
+        while decode.has_work():
+            decode.step()
+        assert [s.output_token_ids for s in seqs] == expected
+        assert decode.blocks.num_used == 0
+
+
+def test_request_checks_and_cache_full(embedded_dir, prompts):
+    engine = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=8, block_size=4, max_model_len=64))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request("b", [10**7], GREEDY)
+    with pytest.raises(ValueError, match="context window of 64"):
+        engine.add_request("c", [5] * 50, GREEDY)
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("d", [5] * 30, SamplingParams(temperature=0, max_tokens=30))
+    donor = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=64, block_size=4))
+    donor.add_request("e", [5] * 20, SamplingParams(temperature=0, max_tokens=5))
+    payload = donor.extract_kv(donor.step()[0].seq)
+    engine.admit_kv(payload)  # takes 6 of 8 blocks
+    payload.request_id = "f"
+    with pytest.raises(KvCacheFullError):
+        engine.admit_kv(payload)
+    assert engine.abort("e") is not None and engine.blocks.num_used == 0
+    assert engine.abort("e") is None
