@@ -10,40 +10,20 @@ import asyncio
 
 import grpc
 
-from engine.engine import Engine, StepError, StepOutput
-from engine.loop import EngineLoop
+from engine.engine import Engine
 from engine.sequence import Sequence
-from engine.serving import RequestStreams
-from engine.worker_common import (abort_quietly, publish_outputs, publish_step_error, relay_tokens,
-                                  sampling_from_proto)
+from engine.worker_common import EngineHost, abort_quietly, relay_tokens, sampling_from_proto
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 
 class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
-    """Composes an Engine and its EngineLoop; streams every token of a request, the first included."""
+    """Composes an EngineHost (engine + its thread); streams every token of a request, the first included."""
 
     role = "both"
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.loop = EngineLoop(engine, self._on_outputs, self._on_step_error)
-        self.streams: RequestStreams | None = None
-
-    def start(self) -> None:
-        self.streams = RequestStreams(asyncio.get_running_loop())
-        self.loop.start()
-
-    async def stop(self) -> None:
-        self.loop.stop()
-
-    def extra_stats(self) -> dict:
-        return {}
-
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        publish_outputs(self.streams, outputs)
-
-    def _on_step_error(self, err: StepError) -> None:
-        publish_step_error(self.streams, err)
+        self.host = EngineHost(engine)
 
     @staticmethod
     def _timings(seq: Sequence, end_ns: int) -> generate_pb2.Timings:
@@ -55,23 +35,23 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
         rid = request.request_id
         try:
             sampling = sampling_from_proto(request.sampling)
-            q = self.streams.open(rid)
+            q = self.host.streams.open(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = False
         try:
             prompt = list(request.prompt_token_ids)
             try:
-                await asyncio.wrap_future(self.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
+                await asyncio.wrap_future(self.host.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             async for batch in relay_tokens(q, context, self._timings):
                 finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
                 yield batch
         finally:
-            self.streams.close(rid)
+            self.host.streams.close(rid)
             if not finished:
-                await abort_quietly(self.loop, rid)
+                await abort_quietly(self.host.loop, rid)
 
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0):

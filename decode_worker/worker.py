@@ -7,19 +7,17 @@ import time
 
 import grpc
 
-from engine.engine import Engine, KvCacheFullError, StepError, StepOutput
+from engine.engine import Engine, KvCacheFullError
 from engine.kv_codec import FrameAssembler, KvCodecError, KvLimits, unpack_kv
-from engine.loop import EngineLoop
 from engine.sequence import Sequence
-from engine.serving import RequestStreams
-from engine.worker_common import abort_quietly, publish_outputs, publish_step_error, relay_tokens
+from engine.worker_common import EngineHost, abort_quietly, relay_tokens
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
-    """Composes an Engine and its EngineLoop; implements ``engine.kv_transfer.KvReceiver``.
+    """Composes an EngineHost (engine + its thread); implements ``engine.kv_transfer.KvReceiver``.
 
     A request is attached by ``Decode`` (the router calls it before prefill); its KV arrives through
     ``PushKv`` within ``kv_timeout_s`` seconds or the stream fails with DEADLINE_EXCEEDED. KV for a
@@ -32,26 +30,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self.engine = engine
         self.kv_timeout_s = kv_timeout_s
         self.limits = limits
-        self.loop = EngineLoop(engine, self._on_outputs, self._on_step_error)
-        self.streams: RequestStreams | None = None
+        self.host = EngineHost(engine, extra_stats=lambda: {"num_awaiting_kv": len(self._pending)})
         self._pending: dict[str, asyncio.Future] = {}
         self._kv_transfer_ns: dict[str, int] = {}
-
-    def start(self) -> None:
-        self.streams = RequestStreams(asyncio.get_running_loop())
-        self.loop.start()
-
-    async def stop(self) -> None:
-        self.loop.stop()
-
-    def extra_stats(self) -> dict:
-        return {"num_awaiting_kv": len(self._pending)}
-
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        publish_outputs(self.streams, outputs)
-
-    def _on_step_error(self, err: StepError) -> None:
-        publish_step_error(self.streams, err)
 
     async def receive_kv(self, frame: bytes) -> None:
         """Unpack, check and admit a KV frame (KvReceiver).
@@ -69,7 +50,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         deadline = time.monotonic() + self.kv_timeout_s
         while True:
             try:
-                seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.admit_kv(payload)))
+                seq = await asyncio.wrap_future(self.host.loop.submit(lambda e: e.admit_kv(payload)))
                 break
             except KvCacheFullError as exc:
                 if fut.done() or time.monotonic() > deadline:
@@ -83,7 +64,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                     fut.set_exception(exc)
                 raise
         if fut.done():  # the stream went away while we were admitting
-            await abort_quietly(self.loop, rid)
+            await abort_quietly(self.host.loop, rid)
             return
         self._kv_transfer_ns[rid] = max(0, time.time_ns() - sent_ns) if sent_ns else 0
         fut.set_result(seq)
@@ -95,7 +76,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         try:
-            q = self.streams.open(rid)
+            q = self.host.streams.open(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         fut = asyncio.get_running_loop().create_future()
@@ -123,9 +104,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 fut.cancel()
             self._pending.pop(rid, None)
             self._kv_transfer_ns.pop(rid, None)
-            self.streams.close(rid)
+            self.host.streams.close(rid)
             if not finished:
-                await abort_quietly(self.loop, rid)
+                await abort_quietly(self.host.loop, rid)
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
         assembler = FrameAssembler(self.limits)

@@ -36,7 +36,7 @@ class ModelConfig:
         """Read ``folder/config.json``.
 
         Raises FileNotFoundError when it is missing and ValueError for an architecture other than
-        Llama, Mistral or Qwen2 or an unsupported RoPE scaling.
+        Llama, Mistral or Qwen2, an activation other than SiLU or an unsupported RoPE scaling.
         """
         path = Path(folder) / "config.json"
         if not path.is_file():
@@ -50,6 +50,9 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the forward pass hard-codes SiLU (swish is its other name)
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters")

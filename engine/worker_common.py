@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
 
-from engine.engine import StepError, StepOutput
+from engine.engine import Engine, StepError, StepOutput
 from engine.loop import EngineLoop
 from engine.serving import RequestStreams, drain
 from engine.params import SamplingParams
 from engine.sequence import FinishReason, Sequence
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -82,6 +85,35 @@ async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
         yield worker_pb2.TokenBatch(token_ids=tokens)
 
 
+class EngineHost:
+    """An Engine on its own thread (EngineLoop) plus the per-request streams its outputs feed.
+
+    Every role composes one. ``on_outputs`` defaults to publishing each token as a TokenEvent;
+    ``extra_stats()`` adds role-specific WorkerStats fields.
+    """
+
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], None] | None = None,
+                 extra_stats: Callable[[], dict] = dict) -> None:
+        self.engine = engine
+        self.loop = EngineLoop(engine, on_outputs or self.publish, self._on_step_error)
+        self.extra_stats = extra_stats
+        self.streams: RequestStreams | None = None
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that serves gRPC."""
+        self.streams = RequestStreams(asyncio.get_running_loop())
+        self.loop.start()
+
+    async def stop(self) -> None:
+        self.loop.stop()
+
+    def publish(self, outputs: list[StepOutput]) -> None:  # engine thread
+        publish_outputs(self.streams, outputs)
+
+    def _on_step_error(self, err: StepError) -> None:  # engine thread
+        publish_step_error(self.streams, err)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """GetStats and Abort for any role. ``extra_stats()`` adds role-specific fields."""
 
@@ -117,15 +149,18 @@ class RunningWorker:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.server.stop(grace_s)
-        await self.worker.stop()
+        await self.worker.host.stop()
 
 
 async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int) -> RunningWorker:
-    """Start ``worker``'s engine thread and a gRPC server with its role service + WorkerService."""
+    """Start ``worker.host`` and a gRPC server with the role service + WorkerService.
+
+    ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes.
+    """
     from engine.serving import start_server
 
-    worker.start()
-    stats = WorkerServicer(worker.role, worker.loop, worker.extra_stats)
+    worker.host.start()
+    stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)
     server, bound = await start_server([
         (add_role_servicer, worker, role_service),
         (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
@@ -149,7 +184,7 @@ def add_engine_args(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
 
 
-def engine_config_from_args(args, model_dir: str | None = None) -> "EngineConfig":
+def engine_config_from_args(args, model_dir: str | None = None) -> EngineConfig:
     """EngineConfig from ``add_engine_args`` flags; ``model_dir`` overrides ``--model``."""
     import torch
 

@@ -9,13 +9,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.engine import Engine, StepError, StepOutput
+from engine.engine import Engine, StepOutput
 from engine.kv_codec import KvPayload, pack_kv
 from engine.kv_transfer import KvSender, KvTransferError
-from engine.loop import EngineLoop
 from engine.sequence import FinishReason
-from engine.serving import RequestStreams
-from engine.worker_common import FINISH_TO_PROTO, ErrorEvent, abort_quietly, publish_step_error, sampling_from_proto
+from engine.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, sampling_from_proto
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,7 +32,7 @@ class PrefillDone:
 
 
 class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
-    """Composes an Engine, its EngineLoop and a KvSender.
+    """Composes an EngineHost (engine + its thread) and a KvSender.
 
     After each prefill step every sequence leaves the engine at once (``Engine.extract_kv``), so its
     blocks are free before the next step and this engine never runs a decode step.
@@ -45,22 +43,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: Engine, kv_sender: KvSender) -> None:
         self.engine = engine
         self.kv_sender = kv_sender
-        self.loop = EngineLoop(engine, self._on_outputs, self._on_step_error)
-        self.streams: RequestStreams | None = None
+        self.host = EngineHost(engine, self._on_outputs)
         self._pushes: set[asyncio.Task] = set()
-
-    def start(self) -> None:
-        """Start the engine thread; call from the event loop that serves gRPC."""
-        self.streams = RequestStreams(asyncio.get_running_loop())
-        self.loop.start()
-
-    async def stop(self) -> None:
-        self.loop.stop()
-        for task in list(self._pushes):
-            task.cancel()
-
-    def extra_stats(self) -> dict:
-        return {}
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         wall = time.time_ns()
@@ -69,31 +53,28 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             payload = None if seq.is_finished else self.engine.extract_kv(seq)
             if payload is not None:
                 payload.sampling["first_token_unix_ns"] = wall
-            self.streams.put(seq.request_id, PrefillDone(
+            self.host.streams.put(seq.request_id, PrefillDone(
                 out.token, seq.finish_reason, payload, seq.prefill_start_ns - seq.arrival_ns,
                 seq.prefill_end_ns - seq.prefill_start_ns, wall))
-
-    def _on_step_error(self, err: StepError) -> None:  # engine thread
-        publish_step_error(self.streams, err)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         try:
             sampling = sampling_from_proto(request.sampling)
-            q = self.streams.open(rid)
+            q = self.host.streams.open(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             prompt = list(request.prompt_token_ids)
-            await asyncio.wrap_future(self.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
+            await asyncio.wrap_future(self.host.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
             done = await q.get()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
-            await abort_quietly(self.loop, rid)
+            await abort_quietly(self.host.loop, rid)
             raise
         finally:
-            self.streams.close(rid)
+            self.host.streams.close(rid)
         if isinstance(done, ErrorEvent):
             await context.abort(grpc.StatusCode.INTERNAL, done.message)
         if done.payload is not None:

@@ -103,9 +103,9 @@ class LlamaModel:
             x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._attention(x, p + "self_attn.", cos, sin, meta, kv_cache[i])
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
-            up = F.linear(x, w[p + "mlp.up_proj.weight"])
-            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+            gate = F.linear(x, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"))
+            up = F.linear(x, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"))
+            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
         return rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
