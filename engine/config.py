@@ -30,6 +30,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # each query attends to at most this many latest positions (Mistral, Qwen2)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -86,7 +87,16 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(cfg, arch),
         )
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """Window size when the checkpoint uses sliding-window attention (Qwen2 only with use_sliding_window)."""
+    window = cfg.get("sliding_window")
+    if not window or (arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False)):
+        return None
+    return int(window)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,16 @@ class LlamaModel:
         """[n, hidden_size] -> [n, vocab_size] logits."""
         return F.linear(hidden, self.lm_head)
 
+    def _prefill_mask(self, n: int, device) -> torch.Tensor | None:
+        """None (plain causal) unless a sliding window is shorter than ``n``; then a bool [n, n] mask
+        where query i sees key j iff j <= i and i - j < window (transformers' sliding-window rule)."""
+        window = self.cfg.sliding_window
+        if window is None or n <= window:
+            return None
+        i = torch.arange(n, device=device)[:, None]
+        j = torch.arange(n, device=device)[None, :]
+        return (j <= i) & (i - j < window)
+
     def _attention(self, x, p, cos, sin, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         T = x.shape[0]
@@ -133,7 +143,9 @@ class LlamaModel:
                 qs = q[a:b].transpose(0, 1)                                  # [H, n, D]
                 ks = k[a:b].transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, n, D]
                 vs = v[a:b].transpose(0, 1).repeat_interleave(groups, dim=0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+                mask = self._prefill_mask(b - a, q.device)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                   scale=self.scale)
                 out[a:b] = o.transpose(0, 1)
         else:
             keys = cache[0][meta.block_tables].flatten(1, 2).to(q.dtype)   # [B, L, kv_heads, D]
@@ -141,7 +153,10 @@ class LlamaModel:
             keys = keys.transpose(1, 2).repeat_interleave(groups, dim=1)    # [B, H, L, D]
             vals = vals.transpose(1, 2).repeat_interleave(groups, dim=1)
             L = keys.shape[2]
-            mask = torch.arange(L, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
+            pos = torch.arange(L, device=q.device)[None, :]
+            mask = pos < meta.context_lens[:, None]  # [B, L]
+            if cfg.sliding_window is not None:
+                mask &= pos >= meta.context_lens[:, None] - cfg.sliding_window
             o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals,
                                                attn_mask=mask[:, None, None, :], scale=self.scale)
             out = o[:, :, 0, :]
