@@ -1,4 +1,4 @@
-"""The ``pdserve`` command: serve, generate, demo."""
+"""The ``pdserve`` command: serve, generate, demo, bench, compare."""
 
 from __future__ import annotations
 
@@ -106,9 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
 
+    from bench.cli import add_bench_parser
+    from cluster.compare import add_compare_parser
     from cluster.demo import add_demo_parser
 
     add_demo_parser(sub)
+    add_bench_parser(sub)
+    add_compare_parser(sub)
     return parser
 
 

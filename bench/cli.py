@@ -1,0 +1,164 @@
+"""``pdserve bench``: replay a trace (or a synthetic arrival process) against a running router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+from bench.metrics import SLO, RequestRecord, json_safe, summarize
+from bench.prompts import PROMPT_SETS, PromptPool, load_prompts
+from bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, gamma_arrivals, load_trace,
+                            poisson_arrivals, sample_lengths, scale_to_rate, window)
+
+DEFAULT_PROMPTS = "sharegpt,belle-zh"
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Flags that define the requests (shared by bench and compare)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--arrival", choices=["trace", "poisson", "gamma"], default="trace",
+                   help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: synthetic at --rate")
+    g.add_argument("--trace", default="azure-conv", help=f"{', '.join(TRACES)} or a CSV path; also the length source")
+    g.add_argument("--trace-start", type=float, default=0.0, help="window start in the trace, s")
+    g.add_argument("--duration", type=float, default=None, help="window length in the trace, s")
+    g.add_argument("--num-requests", type=int, default=20, help="requests to send (cut of the window)")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply trace token counts (fit small hardware)")
+    g.add_argument("--max-input-tokens", type=int, default=None)
+    g.add_argument("--max-output-tokens", type=int, default=None)
+    g.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}")
+    g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO, ms")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO, ms")
+
+
+def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
+    """The request list for one run. The same args give the same lengths and prompts at every rate;
+    only the send times change with ``rate`` (req/s)."""
+    rows = window(load_trace(args.trace, args.datasets_dir), args.trace_start, args.duration, args.num_requests)
+    if args.arrival == "trace":
+        if rate:
+            rows = scale_to_rate(rows, rate)
+        arrivals = [r.t_s for r in rows]
+        lengths = [(r.input_tokens, r.output_tokens) for r in rows]
+    else:
+        if not rate:
+            raise ValueError(f"--arrival {args.arrival} needs --rate")
+        n = args.num_requests
+        arrivals = (poisson_arrivals(rate, n, args.seed) if args.arrival == "poisson"
+                    else gamma_arrivals(rate, n, args.burstiness, args.seed))
+        lengths = sample_lengths(rows, n, args.seed)
+    lengths = [clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens, args.max_output_tokens)
+               for i, o in lengths]
+    pool = PromptPool(load_prompts(args.prompts.split(","), args.datasets_dir), tokenizer, args.seed)
+    return build_workload(arrivals, lengths, pool, args.seed)
+
+
+def is_loopback(address: str) -> bool:
+    """True when ``host:port`` names this machine's loopback interface."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None))
+    except (socket.gaierror, ValueError):
+        return False
+
+
+def write_results(out_dir: Path, records: list[RequestRecord], summary: dict) -> None:
+    """``results.jsonl`` (one request per line) and ``summary.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "results.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json(), allow_nan=False) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False))
+
+
+def print_summary(summary: dict, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold")
+    for col in ("metric", "mean", "p50", "p90", "p99"):
+        t.add_column(col, justify="right")
+    for key, label in (("ttft_s", "TTFT ms"), ("tpot_s", "TPOT ms"), ("itl_s", "ITL ms"), ("e2e_s", "E2E ms")):
+        s = summary[key]
+        t.add_row(label, *(f"{s[k] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")))
+    console = Console()
+    console.print(t)
+    line = (f"requests {summary['requests']} (ok {summary['completed']}, failed {summary['failed']}) in "
+            f"{summary['duration_s']:.1f}s: {summary['request_throughput']:.2f} req/s, "
+            f"{summary['output_token_throughput']:.1f} output tok/s")
+    if "goodput" in summary:
+        line += (f"; SLO TTFT {summary['slo']['ttft_s'] * 1e3:.0f} ms + TPOT {summary['slo']['tpot_s'] * 1e3:.0f} ms: "
+                 f"attainment {summary['slo_attainment'] * 100:.0f}%, goodput {summary['goodput']:.2f} req/s")
+    console.print(line)
+
+
+async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_duration_s: float,
+                     temperature: float = 0.0, progress: bool = True) -> list[RequestRecord]:
+    """Run the load with a progress bar; Ctrl-C stops sending and keeps what finished."""
+    from rich.progress import Progress
+
+    from bench.runner import run_load
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"{run_id}: {len(specs)} requests", total=len(specs))
+            return await run_load(address, specs, run_id=run_id, max_duration_s=max_duration_s,
+                                  temperature=temperature, stop=stop,
+                                  on_record=lambda _: bar.advance(task))
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def cmd_bench(args) -> int:
+    from engine.tokenizer import Tokenizer
+    from router.client import Client
+
+    if not is_loopback(args.router) and not args.allow_remote:
+        raise SystemExit(f"refusing to load-test non-loopback address {args.router} (pass --allow-remote)")
+
+    async def main() -> int:
+        async with Client(args.router) as client:
+            info = await client.model_info()
+        tokenizer = Tokenizer.from_folder(args.tokenizer or info.model)
+        specs = build_specs(args, tokenizer, info.max_model_len, args.rate)
+        records = await bench_once(args.router, specs, "bench", args.max_duration, args.temperature)
+        slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+               if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
+        summary = summarize(records, slo)
+        summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
+                       scheduled=len(specs))
+        write_results(Path(args.out), records, summary)
+        print_summary(summary, f"{info.placement} @ {args.rate or 'trace'} req/s")
+        print(f"results: {Path(args.out) / 'results.jsonl'}, {Path(args.out) / 'summary.json'}")
+        return 0 if summary["failed"] == 0 else 1
+
+    return asyncio.run(main())
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="open-loop load test of a running router (trace replay or synthetic)")
+    p.add_argument("--router", default="127.0.0.1:50051", help="router host:port")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback router address")
+    p.add_argument("--rate", type=float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)")
+    p.add_argument("--tokenizer", default=None, help="model folder for the tokenizer (default: the router's model)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-duration", type=float, default=600.0, help="hard stop for the run, s")
+    p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
+    add_workload_args(p)
+    add_slo_args(p)
+    p.set_defaults(func=cmd_bench)

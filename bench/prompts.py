@@ -1,0 +1,165 @@
+"""Prompt text from real prompt sets, cut or joined to exact token counts.
+
+Each entry of :data:`PROMPT_SETS` reads one prompt set from the shared datasets
+folder (see ``../shared/datasets/README.md`` and each folder's ``SOURCE.md``) and
+returns the first user turn of every row.  :class:`PromptPool` turns those texts
+into token ids of an exact length, so a replayed trace sends prompts whose
+lengths match the trace: the load generator sends ids, not text, because
+re-tokenizing cut text does not give a stable count.
+
+Torch-free: only :mod:`engine.tokenizer` (``tokenizers``) and the standard library.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from bench.workload import dataset_file
+from engine.tokenizer import Tokenizer
+
+__all__ = ["PROMPT_SETS", "load_prompts", "PromptPool"]
+
+
+def _json_lines(path: Path) -> Iterable[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object")
+            yield row
+
+
+def _texts(values: Iterable[Any]) -> list[str]:
+    """Non-empty strings among ``values`` (others, e.g. a missing field, are skipped)."""
+    return [v for v in values if isinstance(v, str) and v.strip()]
+
+
+def _field(relative: str, key: str) -> Callable[..., list[str]]:
+    def load(datasets_dir: str | Path | None = None) -> list[str]:
+        return _texts(row.get(key) for row in _json_lines(dataset_file(relative, datasets_dir)))
+    return load
+
+
+def _first_turn(relative: str) -> Callable[..., list[str]]:
+    def load(datasets_dir: str | Path | None = None) -> list[str]:
+        rows = _json_lines(dataset_file(relative, datasets_dir))
+        return _texts(row["turns"][0] for row in rows if isinstance(row.get("turns"), list) and row["turns"])
+    return load
+
+
+def _sharegpt(datasets_dir: str | Path | None = None) -> list[str]:
+    """First human turn of each conversation (one JSON array of ``{id, conversations}``)."""
+    path = dataset_file("sharegpt_v3_500/ShareGPT_V3_filtered_500.json", datasets_dir)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON array of conversations")
+    firsts = (next((t.get("value") for t in row.get("conversations", []) if isinstance(t, dict)
+                    and t.get("from") == "human"), None) for row in data if isinstance(row, dict))
+    return _texts(firsts)
+
+
+def _arena_hard(datasets_dir: str | Path | None = None) -> list[str]:
+    """Arena-Hard v0.1 and v2.0 prompts (the zh subset is part of v2.0, so not added again)."""
+    return (_field("arena_hard/arena-hard-v0.1_question.jsonl", "prompt")(datasets_dir)
+            + _field("arena_hard/arena-hard-v2.0_question.jsonl", "prompt")(datasets_dir))
+
+
+PROMPT_SETS: dict[str, Callable[..., list[str]]] = {
+    "sharegpt": _sharegpt,
+    "arena-hard": _arena_hard,
+    "mt-bench": _first_turn("mt_bench/question.jsonl"),
+    "vicuna": _first_turn("vicuna_bench/question.jsonl"),
+    "belle-zh": _field("belle_eval_zh/eval_set.json", "question"),  # JSON Lines despite the name
+    "mt-bench-zh": _first_turn("mt_bench_zh/question.jsonl"),
+    "arena-hard-zh": _field("arena_hard/arena-hard-v2.0_zh_subset.jsonl", "prompt"),
+    "humaneval": _field("humaneval/HumanEval.jsonl.gz", "prompt"),
+}
+
+
+def load_prompts(names: Sequence[str], datasets_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(set name, text) for every prompt of the named sets, in order; a repeated name is read once.
+
+    ValueError for an empty list or an unknown name (listing the valid ones);
+    FileNotFoundError when a set's file is absent.
+    """
+    if isinstance(names, str):
+        names = [names]
+    unknown = [n for n in names if n not in PROMPT_SETS]
+    if unknown or not names:
+        raise ValueError(f"unknown prompt set(s) {unknown or list(names)}; valid: {', '.join(PROMPT_SETS)}")
+    out: list[tuple[str, str]] = []
+    for name in dict.fromkeys(names):
+        out += [(name, text) for text in PROMPT_SETS[name](datasets_dir)]
+    return out
+
+
+def _special_prefix(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids the tokenizer puts before a text's own ids (its BOS, when it adds one)."""
+    probe = "Hello"
+    full, plain = tokenizer.encode(probe), tokenizer.encode(probe, add_special_tokens=False)
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return tuple(full[:i])
+    return ()
+
+
+class PromptPool:
+    """Real prompts as token ids of an exact length.
+
+    ``make(n, rng)`` picks a prompt uniformly among all given prompts, takes the
+    tokenizer's special prefix (BOS, when the tokenizer adds one) plus the
+    prompt's ids; if that is longer than ``n`` it is cut, if shorter further random
+    prompts are appended, each after ``separator``'s ids and without BOS, until
+    ``n`` ids are reached.  Tokenizations are cached per prompt.
+    """
+
+    def __init__(self, prompts: list[tuple[str, str]], tokenizer: Tokenizer, seed: int, *,
+                 separator: str = "\n\n") -> None:
+        if not prompts:
+            raise ValueError("PromptPool needs at least one prompt")
+        self.prompts = list(prompts)
+        self.tokenizer = tokenizer
+        self.prefix = _special_prefix(tokenizer)
+        self.separator_ids = tuple(tokenizer.encode(separator, add_special_tokens=False)) if separator else ()
+        self._rng = random.Random(seed)  # used when make() is given no rng
+        self._ids: dict[int, tuple[int, ...]] = {}
+        self._empty: set[int] = set()  # prompts whose text tokenizes to nothing
+
+    def ids(self, index: int) -> tuple[int, ...]:
+        """Token ids of prompt ``index`` without special tokens (cached)."""
+        cached = self._ids.get(index)
+        if cached is None:
+            cached = self._ids[index] = tuple(self.tokenizer.encode(self.prompts[index][1], add_special_tokens=False))
+            if not cached:
+                self._empty.add(index)
+        return cached
+
+    def _pick(self, rng: random.Random) -> int:
+        """A random prompt with at least one token."""
+        while True:
+            if len(self._empty) == len(self.prompts):
+                raise ValueError("every prompt in the pool tokenizes to zero tokens")
+            index = rng.randrange(len(self.prompts))
+            if self.ids(index):
+                return index
+
+    def make(self, num_tokens: int, rng: random.Random | None = None) -> tuple[tuple[int, ...], str]:
+        """(exactly ``num_tokens`` token ids, source set name of the first prompt used)."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        rng = self._rng if rng is None else rng
+        first = self._pick(rng)
+        ids = list(self.prefix) + list(self.ids(first))
+        while len(ids) < num_tokens:
+            ids += self.separator_ids
+            ids += self.ids(self._pick(rng))
+        return tuple(ids[:num_tokens]), self.prompts[first][0]

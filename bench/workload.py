@@ -1,0 +1,267 @@
+"""Workload shapes for load tests: arrival schedules and (input, output) lengths.
+
+Arrivals come either from a production trace (the Azure LLM inference trace 2023,
+replayed as recorded, windowed and optionally time-scaled to a target rate) or
+from a seeded synthetic process (Poisson, or gamma gaps with vLLM-style
+"burstiness").  Lengths come from the same trace rows, clipped to what the model
+can hold.  :func:`build_workload` joins a schedule and lengths with prompt token
+ids from a :class:`bench.prompts.PromptPool` into :class:`RequestSpec` objects.
+
+Pure standard library + numpy; never imports torch or ray.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import os
+import random
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bench.prompts import PromptPool
+
+__all__ = ["TraceRow", "TRACES", "RequestSpec", "resolve_datasets_dir", "dataset_file", "load_trace",
+           "window", "scale_to_rate", "poisson_arrivals", "gamma_arrivals", "clip_lengths",
+           "sample_lengths", "build_workload"]
+
+DATASETS_ENV = "PDSERVE_DATASETS"
+TRACES = {"azure-conv": "azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv",
+          "azure-code": "azure_llm_trace_2023/AzureLLMInferenceTrace_code.csv"}
+_AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+_TICKS = 10**9  # timestamps are kept as integer nanoseconds until the final subtraction
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    t_s: float  # seconds since the trace's first request
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    send_at_s: float  # seconds after the run starts
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # output length to hold; sent with ignore_eos so exactly this many come back
+    prompt_source: str  # prompt-set name the text came from
+
+
+def resolve_datasets_dir(datasets_dir: str | Path | None = None) -> Path:
+    """The datasets folder: ``datasets_dir`` if given, else ``$PDSERVE_DATASETS``,
+    else ``<repo>/../shared/datasets`` (repo = the folder holding the ``bench`` package)."""
+    if datasets_dir is not None:
+        return Path(datasets_dir)
+    env = os.environ.get(DATASETS_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"
+
+
+def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
+    """``relative`` under the datasets folder; FileNotFoundError (saying how to point elsewhere) if absent."""
+    path = resolve_datasets_dir(datasets_dir) / relative
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"dataset file {path} not found; point at the datasets folder with --datasets-dir "
+            f"(or the {DATASETS_ENV} environment variable)")
+    return path
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_seconds(text: str) -> int:
+    return int(datetime.strptime(text, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp())
+
+
+def _parse_timestamp(text: str) -> int:
+    """Wall-clock text ``YYYY-MM-DD HH:MM:SS[.fffffff]`` (no time zone) -> integer nanoseconds."""
+    whole, _, frac = text.strip().partition(".")
+    if frac and not (frac.isdigit() and len(frac) <= 9):
+        raise ValueError(f"bad fractional seconds {frac!r}")
+    return _whole_seconds(whole) * _TICKS + (int(frac.ljust(9, "0")) if frac else 0)
+
+
+def _count(text: str, field: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{field} must be >= 0, got {value}")
+    return value
+
+
+def load_trace(name_or_path: str, datasets_dir: str | Path | None = None) -> list[TraceRow]:
+    """Rows of an Azure-format trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+
+    ``name_or_path`` is a key of :data:`TRACES` (resolved under the datasets folder)
+    or a path to such a CSV.  Times are seconds relative to the first row, exact to
+    the file's 7 fractional digits.  Raises FileNotFoundError when the file is
+    absent and ValueError (with the file line number) on a wrong header, a
+    malformed row or a timestamp earlier than the one before it.
+    """
+    if name_or_path in TRACES:
+        path = dataset_file(TRACES[name_or_path], datasets_dir)
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"trace {name_or_path!r} is neither a file nor one of {sorted(TRACES)}; "
+                                    f"point at the datasets folder with --datasets-dir")
+    ticks: list[int] = []
+    lengths: list[tuple[int, int]] = []
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or [h.strip() for h in header] != _AZURE_HEADER:
+            raise ValueError(f"{path}:1: expected header {','.join(_AZURE_HEADER)}, got {header}")
+        for row in reader:
+            line = reader.line_num
+            if not row:
+                continue
+            try:
+                if len(row) != 3:
+                    raise ValueError(f"expected 3 fields, got {len(row)}")
+                tick = _parse_timestamp(row[0])
+                lengths.append((_count(row[1], "ContextTokens"), _count(row[2], "GeneratedTokens")))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{line}: malformed row {row!r}: {exc}") from None
+            if ticks and tick < ticks[-1]:
+                raise ValueError(f"{path}:{line}: timestamp {row[0]!r} is earlier than the row before it")
+            ticks.append(tick)
+    if not ticks:
+        return []
+    return [TraceRow((tick - ticks[0]) / _TICKS, inp, out) for tick, (inp, out) in zip(ticks, lengths)]
+
+
+def window(rows: Sequence[TraceRow], start_s: float = 0.0, duration_s: float | None = None,
+           max_requests: int | None = None) -> list[TraceRow]:
+    """Rows with ``start_s <= t < start_s + duration_s``, re-based so the first kept row is at t=0,
+    then cut to the first ``max_requests``.  ``duration_s=None`` means to the end of the trace."""
+    if duration_s is not None and duration_s < 0:
+        raise ValueError(f"duration_s must be >= 0, got {duration_s}")
+    if max_requests is not None and max_requests < 0:
+        raise ValueError(f"max_requests must be >= 0, got {max_requests}")
+    end = math.inf if duration_s is None else start_s + duration_s
+    kept = [r for r in rows if start_s <= r.t_s < end]
+    if max_requests is not None:
+        kept = kept[:max_requests]
+    if not kept:
+        return []
+    t0 = kept[0].t_s
+    return [TraceRow(r.t_s - t0, r.input_tokens, r.output_tokens) for r in kept]
+
+
+def scale_to_rate(rows: Sequence[TraceRow], target_rate: float) -> list[TraceRow]:
+    """Multiply every time by one factor so that (n-1)/(last-first) equals ``target_rate`` (req/s).
+
+    Relative spacing (ratios of gaps) is kept.  ValueError for a non-positive or
+    non-finite rate, fewer than 2 rows, or rows that all share one time.
+    """
+    if not (math.isfinite(target_rate) and target_rate > 0):
+        raise ValueError(f"target_rate must be a positive number, got {target_rate}")
+    if len(rows) < 2:
+        raise ValueError(f"need at least 2 rows to define a rate, got {len(rows)}")
+    span = rows[-1].t_s - rows[0].t_s
+    if span <= 0:
+        raise ValueError("rows span zero seconds; their rate is undefined")
+    factor = (len(rows) - 1) / (target_rate * span)
+    return [TraceRow(r.t_s * factor, r.input_tokens, r.output_tokens) for r in rows]
+
+
+def _check_rate(rate: float, n: int) -> None:
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive number, got {rate}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+
+
+def _cumulative(gaps: np.ndarray) -> list[float]:
+    return [0.0] + np.cumsum(gaps).tolist()
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """``n`` send times of a Poisson process of ``rate`` req/s: exponential gaps, the first at 0."""
+    _check_rate(rate, n)
+    if n == 0:
+        return []
+    return _cumulative(np.random.default_rng(seed).exponential(1.0 / rate, n - 1))
+
+
+def gamma_arrivals(rate: float, n: int, burstiness: float, seed: int) -> list[float]:
+    """``n`` send times with gamma gaps (shape ``burstiness``, scale 1/(rate*burstiness)), the first at 0.
+
+    The mean gap is 1/rate whatever the burstiness; the gaps' CV is
+    1/sqrt(burstiness): 1 is Poisson, < 1 burstier, > 1 more regular (vLLM's
+    benchmark "burstiness").
+    """
+    _check_rate(rate, n)
+    if not (math.isfinite(burstiness) and burstiness > 0):
+        raise ValueError(f"burstiness must be a positive number, got {burstiness}")
+    if n == 0:
+        return []
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), n - 1)
+    return _cumulative(gaps)
+
+
+def clip_lengths(input_tokens: int, output_tokens: int, max_model_len: int, length_scale: float = 1.0,
+                 max_input_tokens: int | None = None, max_output_tokens: int | None = None) -> tuple[int, int]:
+    """(input, output) lengths that fit the model.
+
+    Both are scaled by ``length_scale`` (Python ``round``, at least 1), capped by
+    ``max_input_tokens`` / ``max_output_tokens``, and then, while input + output
+    exceeds ``max_model_len``, the input is trimmed first (down to 1 token) and
+    then the output (down to 1).  ValueError for max_model_len < 2, a
+    non-positive scale or a cap < 1.
+    """
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {max_model_len}")
+    if not (math.isfinite(length_scale) and length_scale > 0):
+        raise ValueError(f"length_scale must be a positive number, got {length_scale}")
+    for name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{name} must be >= 1, got {cap}")
+    inp = max(1, round(input_tokens * length_scale))
+    out = max(1, round(output_tokens * length_scale))
+    if max_input_tokens is not None:
+        inp = min(inp, max_input_tokens)
+    if max_output_tokens is not None:
+        out = min(out, max_output_tokens)
+    inp = max(1, min(inp, max_model_len - out))
+    out = min(out, max_model_len - inp)
+    return inp, out
+
+
+def sample_lengths(rows: Sequence[TraceRow], n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` (input, output) pairs drawn with replacement from trace rows (for synthetic arrivals)."""
+    if not rows:
+        raise ValueError("need at least one trace row to sample lengths from")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [(r.input_tokens, r.output_tokens) for r in rng.choices(rows, k=n)]
+
+
+def build_workload(arrivals: Sequence[float], lengths: Sequence[tuple[int, int]], prompts: PromptPool,
+                   seed: int) -> list[RequestSpec]:
+    """Zip send times with (input, output) lengths; each prompt is exactly ``input`` ids from ``prompts``.
+
+    Deterministic for a seed.  ValueError when the sequences differ in length,
+    when arrivals decrease or are negative, or when a length is < 1.
+    """
+    if len(arrivals) != len(lengths):
+        raise ValueError(f"{len(arrivals)} arrivals but {len(lengths)} lengths")
+    rng = random.Random(seed)
+    specs: list[RequestSpec] = []
+    prev = 0.0
+    for i, (t, (inp, out)) in enumerate(zip(arrivals, lengths)):
+        if not (math.isfinite(t) and t >= prev):
+            raise ValueError(f"arrival {i} at {t} s is negative or earlier than the one before it")
+        if inp < 1 or out < 1:
+            raise ValueError(f"request {i}: input and output lengths must be >= 1, got ({inp}, {out})")
+        ids, source = prompts.make(inp, rng)
+        specs.append(RequestSpec(i, float(t), ids, int(out), source))
+        prev = t
+    return specs
