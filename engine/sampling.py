@@ -31,7 +31,7 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], steps: Seq[int]) -
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_probs, dim=-1)
-            drop = (cum - sorted_probs) > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            drop = (cum - sorted_probs) >= p.top_p  # keep the smallest prefix whose mass reaches top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         gen = torch.Generator(device=probs.device)
