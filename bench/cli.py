@@ -136,6 +136,8 @@ def cmd_bench(args) -> int:
             info = await client.model_info()
         tokenizer = Tokenizer.from_folder(args.tokenizer or info.model)
         specs = build_specs(args, tokenizer, info.max_model_len, args.rate)
+        print(f"sending {len(specs)} requests to {args.router} ({info.placement}) over "
+              f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
         records = await bench_once(args.router, specs, "bench", args.max_duration, args.temperature)
         slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)

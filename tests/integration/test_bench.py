@@ -1,0 +1,119 @@
+"""pdserve bench and compare against real servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from bench.metrics import RequestRecord
+from bench.workload import dataset_file, load_trace, window
+from tests.integration._pipeline import local_pipeline
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]
+RECORD_FIELDS = {"index", "request_id", "scheduled_s", "sent_s", "prompt_tokens", "max_tokens", "token_times_s",
+                 "finish_reason", "error", "queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s",
+                 "e2e_s", "itl_s", "output_tokens", "ok"}
+SUMMARY_FIELDS = {"requests", "completed", "failed", "duration_s", "ttft_s", "tpot_s", "itl_s", "e2e_s",
+                  "request_throughput", "output_token_throughput", "total_token_throughput", "breakdown_s",
+                  "slo", "slo_attainment", "goodput"}
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    try:
+        dataset_file("azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv")
+    except FileNotFoundError:
+        pytest.skip("../shared/datasets is absent")
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placement):
+    async with local_pipeline(embedded_dir, placement) as pipe:
+        proc = await asyncio.create_subprocess_exec(
+            *PDSERVE, "bench", "--router", pipe.address, "--num-requests", "6", "--length-scale", "0.05",
+            "--slo-ttft-ms", "5000", "--slo-tpot-ms", "1000", "--out", str(tmp_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 240)
+        assert proc.returncode == 0, out.decode()
+        assert await pipe.wait_idle() == 0
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 6
+    rows = window(load_trace("azure-conv"), max_requests=6)
+    for rec, row in zip(records, rows):
+        assert RECORD_FIELDS <= rec.keys()
+        assert rec["ok"] and rec["error"] == ""
+        assert rec["output_tokens"] == rec["max_tokens"] == len(rec["token_times_s"])
+        assert rec["max_tokens"] == max(1, round(row.output_tokens * 0.05))
+        assert rec["prompt_tokens"] == max(1, round(row.input_tokens * 0.05))
+        # the trace's own timestamps, unscaled: sent on schedule
+        assert rec["scheduled_s"] == pytest.approx(row.t_s, abs=1e-9)
+        assert rec["sent_s"] - rec["scheduled_s"] < 0.25
+        assert rec["prefill_s"] > 0 and (rec["decode_s"] > 0 or rec["max_tokens"] == 1)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_FIELDS <= summary.keys()
+    assert summary["completed"] == 6 and summary["placement"] == placement
+    assert "goodput" in out.decode()
+
+
+async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
+    """A hard duration bound cancels in-flight requests, keeps their partial records, frees blocks."""
+    from bench.runner import run_load
+    from bench.workload import RequestSpec
+
+    specs = [RequestSpec(i, 0.05 * i, (5, 6, 7) * 10, 1500, "synthetic") for i in range(4)]
+    specs.append(RequestSpec(4, 60.0, (5,), 3, "synthetic"))  # due long after the bound: never sent
+    async with local_pipeline(embedded_dir, "split") as pipe:
+        records = await asyncio.wait_for(run_load(pipe.address, specs, max_duration_s=1.5), 30)
+        assert await pipe.wait_idle() == 0
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    for r in records:
+        assert isinstance(r, RequestRecord)
+        assert r.error.startswith("cancelled") and not r.ok
+        assert 0 < r.output_tokens < 1500
+
+
+async def test_bench_ctrl_c_writes_partial_results(embedded_dir, datasets, tmp_path):
+    async with local_pipeline(embedded_dir, "split") as pipe:
+        proc = await asyncio.create_subprocess_exec(
+            *PDSERVE, "bench", "--router", pipe.address, "--arrival", "poisson", "--num-requests", "200",
+            "--rate", "4", "--length-scale", "10", "--max-output-tokens", "400", "--max-input-tokens", "64",
+            "--out", str(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert line.startswith(b"sending 200 requests"), line
+        await asyncio.sleep(3)  # several 400-token requests are in flight now
+        proc.send_signal(signal.SIGINT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert await pipe.wait_idle() == 0
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert 0 < len(records) < 200, out.decode()
+    assert any(r["error"].startswith("cancelled") for r in records)
+
+
+def test_bench_refuses_remote_address():
+    run = subprocess.run(PDSERVE + ["bench", "--router", "192.0.2.1:50051"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0 and "non-loopback" in run.stderr
+
+
+def test_compare_end_to_end(datasets, tmp_path):
+    """Both placements on a local Ray instance, two rates, table + plots + JSON."""
+    run = subprocess.run(PDSERVE + ["compare", "--model", "embedded", "--rates", "4,8", "--num-requests", "5",
+                                    "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in ("cdf.png", "vs_rate.png", "breakdown.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert set(data["summaries"]) == {"colocated", "split"}
+    for per_rate in data["summaries"].values():
+        assert set(per_rate) == {"4", "8"}
+        for s in per_rate.values():
+            assert s["completed"] == 5 and s["goodput"] is not None
+    assert "unloaded single-request" in data["slo"]["note"]
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("| colocated |") == 2 and table.count("| split |") == 2
