@@ -46,7 +46,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         fut = self._pending.get(rid)
         if fut is None or fut.done():
             raise KeyError(f"no decode stream is waiting for request {rid!r}")
-        sent_ns = int(payload.sampling.get("first_token_unix_ns", 0))
+        sent_ns = payload.first_token_unix_ns
         deadline = time.monotonic() + self.kv_timeout_s
         while True:
             try:

@@ -4,10 +4,9 @@ A frame is::
 
     b"PDKV" | uint32 LE header length | msgpack header map | raw tensor bytes
 
-The header is a msgpack map with the keys ``version, request_id, fingerprint,
-dtype, shape, token_ids, first_token, sampling, nbytes, checksum``.  The tensor
-bytes are the C-contiguous KV tensor reinterpreted as uint8 (so bfloat16 works
-without numpy support).  ``checksum`` is ``zlib.crc32`` of the tensor bytes: it
+The header is a msgpack map with the keys ``version, request_id, fingerprint, dtype, shape,
+token_ids, first_token, first_token_unix_ns, sampling, nbytes, checksum``.  The tensor bytes are
+the C-contiguous KV tensor reinterpreted as uint8 (so bfloat16 works without numpy support).  ``checksum`` is ``zlib.crc32`` of the tensor bytes: it
 detects corruption in transit, it is not a security measure.  Nothing here uses
 pickle; every size is checked against :class:`KvLimits` before any allocation.
 """
@@ -31,16 +30,13 @@ PREFIX_BYTES = _PREFIX.size  # 8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _HEADER_TYPES: dict[str, type] = {
     "request_id": str, "fingerprint": dict, "dtype": str, "shape": list, "token_ids": list,
-    "first_token": int, "sampling": dict, "nbytes": int, "checksum": int,
+    "first_token": int, "first_token_unix_ns": int, "sampling": dict, "nbytes": int, "checksum": int,
 }
 
 
 class KvCodecError(ValueError):
-    """Raised for any KV payload that cannot be packed or accepted.
-
-    The message states exactly what is wrong, e.g.
-    ``"model fingerprint mismatch: num_layers 4 != 5"`` or ``"checksum mismatch"``.
-    """
+    """Raised for any KV payload that cannot be packed or accepted; the message says exactly what
+    is wrong, e.g. ``"model fingerprint mismatch: num_layers 4 != 5"`` or ``"checksum mismatch"``."""
 
 
 def _is_int(v: object) -> bool:
@@ -123,6 +119,7 @@ class KvPayload:
     first_token: int
     sampling: dict
     kv: torch.Tensor
+    first_token_unix_ns: int = 0  # wall clock when prefill sampled first_token (KV transfer timing)
 
 
 def _check_shape(shape: list, fp: ModelFingerprint, num_tokens: int) -> None:
@@ -152,7 +149,8 @@ def pack_kv(payload: KvPayload) -> bytes:
     header = {
         "version": FORMAT_VERSION, "request_id": payload.request_id, "fingerprint": fp.to_dict(),
         "dtype": fp.dtype, "shape": list(payload.kv.shape), "token_ids": token_ids,
-        "first_token": int(payload.first_token), "sampling": payload.sampling,
+        "first_token": int(payload.first_token), "first_token_unix_ns": int(payload.first_token_unix_ns),
+        "sampling": payload.sampling,
         "nbytes": data.nbytes, "checksum": zlib.crc32(data),
     }
     try:
@@ -241,7 +239,8 @@ def unpack_kv(
         raise KvCodecError(f"checksum mismatch: header {header['checksum']:#010x}, data {crc:#010x}")
 
     kv = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).reshape(shape)
-    return KvPayload(header["request_id"], fp, token_ids, header["first_token"], header["sampling"], kv)
+    return KvPayload(header["request_id"], fp, token_ids, header["first_token"], header["sampling"], kv,
+                     header["first_token_unix_ns"])
 
 
 def iter_chunks(frame: bytes | bytearray | memoryview, chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:

@@ -52,7 +52,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             seq = out.seq
             payload = None if seq.is_finished else self.engine.extract_kv(seq)
             if payload is not None:
-                payload.sampling["first_token_unix_ns"] = wall
+                payload.first_token_unix_ns = wall
             self.host.streams.put(seq.request_id, PrefillDone(
                 out.token, seq.finish_reason, payload, seq.prefill_start_ns - seq.arrival_ns,
                 seq.prefill_end_ns - seq.prefill_start_ns, wall))

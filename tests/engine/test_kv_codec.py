@@ -69,6 +69,7 @@ def forged(mutate) -> bytes:
 def test_round_trip_exact(dtype, num_tokens, dims):
     fp = make_fp(dtype=dtype, num_layers=dims[0], num_kv_heads=dims[1], head_dim=dims[2])
     src = make_payload(fp, num_tokens, seed=num_tokens)
+    src.first_token_unix_ns = 1_764_400_000_123_456_789 + num_tokens
     frame = pack_kv(src)
     assert frame[:4] == b"PDKV"
 
@@ -83,6 +84,7 @@ def test_round_trip_exact(dtype, num_tokens, dims):
     assert out.fingerprint == fp
     assert out.token_ids == src.token_ids
     assert out.first_token == 42
+    assert out.first_token_unix_ns == src.first_token_unix_ns
     assert out.sampling == src.sampling
 
     header, body = split(frame)
