@@ -14,6 +14,8 @@ from engine.worker_common import EngineHost, abort_quietly, relay_tokens
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
+PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
+                    (ValueError, grpc.StatusCode.INVALID_ARGUMENT), (TimeoutError, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
@@ -96,6 +98,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except TimeoutError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except Exception as exc:
+                await context.abort(grpc.StatusCode.INTERNAL, f"KV cache admission failed: {exc!r}")
             async for batch in relay_tokens(q, context, self._timings):
                 finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
                 yield batch
@@ -121,17 +125,15 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 assembler.add(chunk.data)
             frame = assembler.frame()
             await self.receive_kv(frame)
-        except KvCodecError as exc:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # every failure also ends the waiting Decode stream at once
             fut = self._pending.get(rid)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KV cache refused: {exc}")
-        except KeyError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TimeoutError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            code = next((c for t, c in PUSH_ERROR_CODES if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
+            message = exc.args[0] if isinstance(exc, KeyError) else str(exc) or repr(exc)
+            await context.abort(code, f"KV cache refused: {message}")
         return worker_pb2.PushKvResponse(received_bytes=len(frame))
 
 

@@ -181,3 +181,19 @@ async def test_kv_push_is_chunked(stories_dir, monkeypatch):
         assert len(res.token_ids) == 5
         assert res.timings.kv_transfer_ns > 0
     assert len(chunks) > 4 and max(chunks) <= 64 << 10
+
+
+async def test_unexpected_admission_failure_ends_the_request_at_once(embedded_dir):
+    """A bug on the decode side must fail the client's stream promptly, not after the KV timeout."""
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        engine = pipe.workers[1].worker.engine
+        engine.admit_kv = lambda payload: (_ for _ in ()).throw(RuntimeError("disk on fire"))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        res = await client.generate(make_request("hello there", max_tokens=8))
+        assert loop.time() - t0 < 10
+        assert res.finish_reason == "error" and "disk on fire" in res.error
+        assert len(res.token_ids) == 1  # the first token came from prefill before the failure
+        ok = await client.generate(make_request("hello again", max_tokens=1))
+        assert len(ok.token_ids) == 1
+        assert await pipe.wait_idle() == 0
