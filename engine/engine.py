@@ -165,11 +165,16 @@ class Engine:
         return [s.output_token_ids for s in seqs]
 
     def stats(self) -> dict[str, int]:
-        """Queue lengths and KV block occupancy."""
+        """Queue lengths and KV block occupancy.
+
+        Safe to call from any thread while the engine steps (reads snapshots, never waits for a
+        step), so load reports stay fast during long prefills; the values may be one step old.
+        """
         s = self.scheduler
+        waiting = list(s.waiting)  # atomic copy under the GIL
         return {
-            "num_waiting": len(s.waiting), "num_running": len(s.running),
+            "num_waiting": len(waiting), "num_running": len(s.running),
             "used_kv_blocks": self.blocks.num_used, "free_kv_blocks": self.blocks.num_free,
             "block_size": self.cfg.block_size,
-            "outstanding_prefill_tokens": sum(q.num_tokens for q in s.waiting),
+            "outstanding_prefill_tokens": sum(q.num_tokens for q in waiting),
         }

@@ -123,8 +123,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.extra_stats = extra_stats
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
-        stats = await asyncio.wrap_future(self.loop.submit(lambda e: e.stats()))
-        return worker_pb2.WorkerStats(role=self.role, **stats, **self.extra_stats())
+        # read directly: going through the engine thread would wait out a long prefill step
+        return worker_pb2.WorkerStats(role=self.role, **self.loop.engine.stats(), **self.extra_stats())
 
     async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
         seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.abort(request.request_id)))

@@ -65,16 +65,13 @@ async def test_cancel_and_abort_free_every_block(embedded_dir, placement):
             if got == 2:
                 call.cancel()
                 break
-        # Abort RPC on another in-flight request; a third request runs to completion meanwhile
+        # Abort RPC on another in-flight request, once it streams; a third request runs meanwhile
         aborted_req = make_request("abort me " * 30, max_tokens=1500, ignore_eos=True, request_id="victim")
-        victim = asyncio.create_task(client.generate(aborted_req))
+        streaming = asyncio.Event()
+        victim = asyncio.create_task(client.generate(aborted_req, on_text=lambda _: streaming.set()))
         bystander = asyncio.create_task(client.generate(make_request("bystander", max_tokens=30, ignore_eos=True)))
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if await client.abort("victim"):
-                break
-        else:
-            pytest.fail("victim never became abortable")
+        await asyncio.wait_for(streaming.wait(), 30)
+        assert await client.abort("victim")
         res = await victim
         assert res.finish_reason == "abort"
         assert 0 < len(res.token_ids) < 1500
