@@ -12,7 +12,7 @@ import grpc
 
 from engine.engine import Engine
 from engine.sequence import Sequence
-from engine.worker_common import EngineHost, abort_quietly, relay_tokens, sampling_from_proto
+from engine.worker_common import EngineHost, abort_quietly, admit_prompt, relay_tokens
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -33,18 +33,9 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
 
     async def Generate(self, request: worker_pb2.ColocatedRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
-        try:
-            sampling = sampling_from_proto(request.sampling)
-            q = self.host.streams.open(rid)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        q = await admit_prompt(self.host, request, context)
         finished = False
         try:
-            prompt = list(request.prompt_token_ids)
-            try:
-                await asyncio.wrap_future(self.host.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             async for batch in relay_tokens(q, context, self._timings):
                 finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
                 yield batch

@@ -131,6 +131,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.WorkerAbortResponse(aborted=seq is not None)
 
 
+async def admit_prompt(host: EngineHost, request, context: grpc.aio.ServicerContext) -> asyncio.Queue:
+    """Queue ``request`` (request_id, prompt_token_ids, sampling) on the engine; returns its event queue.
+
+    Aborts the RPC with INVALID_ARGUMENT (and leaves nothing behind) for bad sampling values, a
+    request id already in flight here, or a prompt the engine can never run.
+    """
+    rid, prompt = request.request_id, list(request.prompt_token_ids)
+    try:
+        sampling = sampling_from_proto(request.sampling)
+        q = host.streams.open(rid)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    try:
+        await asyncio.wrap_future(host.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
+    except ValueError as exc:
+        host.streams.close(rid)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return q
+
+
 async def abort_quietly(loop: EngineLoop, request_id: str) -> None:
     """Abort a request on the engine (frees its blocks); ignores a stopped loop."""
     try:

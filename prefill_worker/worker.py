@@ -13,7 +13,7 @@ from engine.engine import Engine, StepOutput
 from engine.kv_codec import KvPayload, pack_kv
 from engine.kv_transfer import KvSender, KvTransferError
 from engine.sequence import FinishReason
-from engine.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, sampling_from_proto
+from engine.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,17 +59,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
+        q = await admit_prompt(self.host, request, context)
         try:
-            sampling = sampling_from_proto(request.sampling)
-            q = self.host.streams.open(rid)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            prompt = list(request.prompt_token_ids)
-            await asyncio.wrap_future(self.host.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
             done = await q.get()
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except asyncio.CancelledError:
             await abort_quietly(self.host.loop, rid)
             raise

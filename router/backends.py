@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -45,6 +45,19 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // max(block_size, 1))
 
 
+async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_pb2.Timings]
+                        ) -> AsyncIterator[WorkerEvent]:
+    """A worker's TokenBatch stream as WorkerEvents; ``final(worker_timings)`` gives the last one's
+    timings. A stream that ends without a final batch raises INTERNAL."""
+    async for batch in call:
+        if batch.finish_reason:
+            yield WorkerEvent(list(batch.token_ids), batch.finish_reason, final(batch.timings))
+            return
+        yield WorkerEvent(list(batch.token_ids))
+    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               "worker stream ended without a final message")
+
+
 class SplitBackend:
     """Prefill on one worker of the prefill pool, decode on one of the decode pool (DESIGN.md §3)."""
 
@@ -79,15 +92,13 @@ class SplitBackend:
                 yield WorkerEvent([first.first_token], first.finish_reason, timings)
                 return
             yield WorkerEvent([first.first_token])
-            async for batch in decode_call:
-                if batch.finish_reason:
-                    timings.kv_transfer_ns = batch.timings.kv_transfer_ns
-                    timings.decode_ns = batch.timings.decode_ns
-                    yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
-                    return
-                yield WorkerEvent(list(batch.token_ids))
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "decode stream ended without a final message")
+
+            def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
+                timings.kv_transfer_ns, timings.decode_ns = worker.kv_transfer_ns, worker.decode_ns
+                return timings
+
+            async for ev in _token_events(decode_call, final):
+                yield ev
         finally:
             decode_call.cancel()
             decode_w.active_requests -= 1
@@ -111,20 +122,19 @@ class ColocatedBackend:
             timeout=timeout)
         state.calls.append(call)
         prefilled = False
+
+        def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
+            timings = generate_pb2.Timings()
+            timings.CopyFrom(worker)
+            timings.queue_ns += t_send - t0_ns
+            return timings
+
         try:
-            async for batch in call:
+            async for ev in _token_events(call, final):
                 if not prefilled:
                     prefilled = True
                     w.outstanding_prefill_tokens -= n
-                if batch.finish_reason:
-                    timings = generate_pb2.Timings()
-                    timings.CopyFrom(batch.timings)
-                    timings.queue_ns += t_send - t0_ns
-                    yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
-                    return
-                yield WorkerEvent(list(batch.token_ids))
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "worker stream ended without a final message")
+                yield ev
         finally:
             call.cancel()
             if not prefilled:
