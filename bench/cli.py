@@ -11,6 +11,7 @@ import socket
 import time
 from pathlib import Path
 
+from engine.cli_args import non_negative_float, positive_float, positive_int
 from bench.metrics import SLO, RequestRecord, json_safe, summarize
 from bench.prompts import PROMPT_SETS, PromptPool, load_prompts
 from bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, gamma_arrivals, load_trace,
@@ -25,21 +26,21 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arrival", choices=["trace", "poisson", "gamma"], default="trace",
                    help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: synthetic at --rate")
     g.add_argument("--trace", default="azure-conv", help=f"{', '.join(TRACES)} or a CSV path; also the length source")
-    g.add_argument("--trace-start", type=float, default=0.0, help="window start in the trace, s")
-    g.add_argument("--duration", type=float, default=None, help="window length in the trace, s")
-    g.add_argument("--num-requests", type=int, default=20, help="requests to send (cut of the window)")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
-    g.add_argument("--length-scale", type=float, default=1.0, help="multiply trace token counts (fit small hardware)")
-    g.add_argument("--max-input-tokens", type=int, default=None)
-    g.add_argument("--max-output-tokens", type=int, default=None)
+    g.add_argument("--trace-start", type=non_negative_float, default=0.0, help="window start in the trace, s")
+    g.add_argument("--duration", type=positive_float, default=None, help="window length in the trace, s")
+    g.add_argument("--num-requests", type=positive_int, default=20, help="requests to send (cut of the window)")
+    g.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
+    g.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply trace token counts (fit small hardware)")
+    g.add_argument("--max-input-tokens", type=positive_int, default=None)
+    g.add_argument("--max-output-tokens", type=positive_int, default=None)
     g.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}")
     g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
     g.add_argument("--seed", type=int, default=0)
 
 
 def add_slo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO, ms")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO, ms")
+    p.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="TTFT SLO, ms")
+    p.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="TPOT SLO, ms")
 
 
 def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
@@ -105,8 +106,9 @@ def print_summary(summary: dict, title: str) -> None:
 
 
 async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_duration_s: float,
-                     temperature: float = 0.0, progress: bool = True) -> list[RequestRecord]:
-    """Run the load with a progress bar; Ctrl-C stops sending and keeps what finished."""
+                     temperature: float = 0.0, progress: bool = True) -> tuple[list[RequestRecord], bool]:
+    """Run the load with a progress bar. Ctrl-C stops sending and keeps what finished; returns the
+    records and whether Ctrl-C stopped the run."""
     from rich.progress import Progress
 
     from bench.runner import run_load
@@ -117,9 +119,9 @@ async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_du
     try:
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task(f"{run_id}: {len(specs)} requests", total=len(specs))
-            return await run_load(address, specs, run_id=run_id, max_duration_s=max_duration_s,
-                                  temperature=temperature, stop=stop,
-                                  on_record=lambda _: bar.advance(task))
+            records = await run_load(address, specs, run_id=run_id, max_duration_s=max_duration_s,
+                                     temperature=temperature, stop=stop, on_record=lambda _: bar.advance(task))
+            return records, stop.is_set()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
 
@@ -138,14 +140,15 @@ def cmd_bench(args) -> int:
         specs = build_specs(args, tokenizer, info.max_model_len, args.rate)
         print(f"sending {len(specs)} requests to {args.router} ({info.placement}) over "
               f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
-        records = await bench_once(args.router, specs, "bench", args.max_duration, args.temperature)
+        records, interrupted = await bench_once(args.router, specs, "bench", args.max_duration, args.temperature)
         slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
         summary = summarize(records, slo)
         summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
-                       scheduled=len(specs))
+                       scheduled=len(specs), interrupted=interrupted)
         write_results(Path(args.out), records, summary)
-        print_summary(summary, f"{info.placement} @ {args.rate or 'trace'} req/s")
+        rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
+        print_summary(summary, f"{info.placement} @ {rate}")
         print(f"results: {Path(args.out) / 'results.jsonl'}, {Path(args.out) / 'summary.json'}")
         return 0 if summary["failed"] == 0 else 1
 
@@ -156,10 +159,10 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="open-loop load test of a running router (trace replay or synthetic)")
     p.add_argument("--router", default="127.0.0.1:50051", help="router host:port")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback router address")
-    p.add_argument("--rate", type=float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)")
+    p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)")
     p.add_argument("--tokenizer", default=None, help="model folder for the tokenizer (default: the router's model)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-duration", type=float, default=600.0, help="hard stop for the run, s")
+    p.add_argument("--max-duration", type=positive_float, default=600.0, help="hard stop for the run, s")
     p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
     add_workload_args(p)
     add_slo_args(p)

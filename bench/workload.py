@@ -54,14 +54,17 @@ class RequestSpec:
 
 
 def resolve_datasets_dir(datasets_dir: str | Path | None = None) -> Path:
-    """The datasets folder: ``datasets_dir`` if given, else ``$PDSERVE_DATASETS``,
-    else ``<repo>/../shared/datasets`` (repo = the folder holding the ``bench`` package)."""
+    """The datasets folder: ``datasets_dir`` if given, else ``$PDSERVE_DATASETS``, else the first
+    existing of ``<source tree>/../shared/datasets``, ``./shared/datasets`` and ``../shared/datasets``
+    (relative to the working directory, for an installed package run from a checkout)."""
     if datasets_dir is not None:
         return Path(datasets_dir)
     env = os.environ.get(DATASETS_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"
+    candidates = [Path(__file__).resolve().parent.parent.parent / "shared" / "datasets",
+                  Path.cwd() / "shared" / "datasets", Path.cwd().parent / "shared" / "datasets"]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:

@@ -6,38 +6,55 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
+
+from engine.cli_args import add_engine_args, non_negative_int, port, positive_int
 
 DEFAULT_PORT = 50051
 
 
 def _cluster_config(args):
     from cluster.config import ClusterConfig
-    from engine.worker_common import engine_config_from_args
+    from engine.cli_args import engine_config_from_args
 
-    return ClusterConfig(engine=engine_config_from_args(args), placement=args.placement,
+    return ClusterConfig(engine=engine_config_from_args(args, device="cpu"), placement=args.placement,
                          num_prefill=args.prefill, num_decode=args.decode,
                          cpus_per_worker=args.cpus_per_worker, router_host=args.host,
-                         router_port=args.port, ray_address=args.address)
+                         router_port=args.port, ray_address=args.address, device=args.device)
 
 
-def add_cluster_args(p: argparse.ArgumentParser, port: int = DEFAULT_PORT) -> None:
-    from engine.worker_common import add_engine_args
+def check_port_free(host: str, port_number: int) -> None:
+    """ValueError naming the port when it is taken (checked before any worker starts)."""
+    if port_number == 0:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((host, port_number))
+        except OSError as exc:
+            raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick --port") from exc
 
+
+def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
     add_engine_args(p)
     p.add_argument("--placement", choices=["split", "colocated"], default="split")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (split)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (split); colocated runs prefill+decode workers")
-    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs (and torch threads) per worker without GPUs")
+    p.add_argument("--prefill", type=positive_int, default=1, help="prefill workers (split)")
+    p.add_argument("--decode", type=positive_int, default=1,
+                   help="decode workers (split); colocated runs prefill+decode workers")
+    p.add_argument("--cpus-per-worker", type=positive_int, default=1,
+                   help="CPUs (and torch threads) per worker without GPUs")
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--port", type=int, default=port, help="router port (0 = any free port)")
+    p.add_argument("--port", type=port, default=default_port, help="router port (0 = any free port)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local Ray)")
 
 
 def cmd_serve(args) -> int:
     from cluster.launch import start_cluster
 
-    cluster = start_cluster(_cluster_config(args))
+    cfg = _cluster_config(args)
+    if args.address is None:
+        check_port_free(args.host, args.port)
+    cluster = start_cluster(cfg)
     print(f"pdserve {args.placement} cluster serving on {cluster.address} "
           f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it", flush=True)
     stop = False
@@ -66,7 +83,7 @@ def cmd_generate(args) -> int:
         req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                            ignore_eos=args.ignore_eos)
-        async with Client(args.router) as client:
+        async with Client(args.router or f"127.0.0.1:{args.port}") as client:
             try:
                 res = await client.generate(req, timeout=args.timeout,
                                             on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
@@ -77,8 +94,9 @@ def cmd_generate(args) -> int:
         if res.error:
             print(f"error: {res.error}", file=sys.stderr)
             return 1
+        tpot = f", TPOT {res.tpot * 1e3:.1f} ms" if len(res.token_ids) > 1 else ""
         print(f"[{res.finish_reason}] prompt {res.prompt_tokens} tokens, output {len(res.token_ids)} tokens, "
-              f"TTFT {res.ttft * 1e3:.1f} ms, TPOT {res.tpot * 1e3:.1f} ms", file=sys.stderr)
+              f"TTFT {res.ttft * 1e3:.1f} ms{tpot}", file=sys.stderr)
         return 0
 
     return asyncio.run(run())
@@ -95,12 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream one completion from a running router")
     p.add_argument("prompt")
     p.add_argument("--router", default=None, help="router host:port (default 127.0.0.1:--port)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--port", type=port, default=DEFAULT_PORT)
+    p.add_argument("--max-tokens", type=non_negative_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=non_negative_int, default=None)
+    p.add_argument("--seed", type=non_negative_int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
@@ -117,11 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a pdserve command. Mistakes a user can fix (bad flags or files, a router that does not
+    answer, a cluster that cannot start) print one ``error:`` line and exit 2; Ctrl-C exits 130."""
+    import grpc
+
     args = build_parser().parse_args(argv)
-    if getattr(args, "router", "x") is None:
-        args.router = f"127.0.0.1:{args.port}"
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from bench.cli import add_slo_args, add_workload_args, bench_once, build_specs, write_results
 from bench.metrics import SLO, json_safe, summarize
-from bench.plots import write_all
 from bench.runner import unloaded_latency
 
 TABLE_COLUMNS = ("rate req/s", "placement", "goodput req/s", "SLO met", "p90 TTFT ms", "p90 TPOT ms",
@@ -26,7 +25,8 @@ def table_rows(summaries: dict) -> list[list[str]]:
             s = per.get(rate)
             if s is None:
                 continue
-            rows.append([f"{rate:g}", placement, f"{s['goodput']:.2f}", f"{s['slo_attainment'] * 100:.0f}%",
+            label = placement + (" (partial)" if s.get("interrupted") else "")
+            rows.append([f"{rate:g}", label, f"{s['goodput']:.2f}", f"{s['slo_attainment'] * 100:.0f}%",
                          f"{s['ttft_s']['p90'] * 1e3:.0f}", f"{s['tpot_s']['p90'] * 1e3:.1f}",
                          f"{s['ttft_s']['mean'] * 1e3:.0f}", f"{s['tpot_s']['mean'] * 1e3:.1f}",
                          f"{s['output_token_throughput']:.1f}", str(s["failed"])])
@@ -42,16 +42,17 @@ def cmd_compare(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from bench.plots import write_all
     from cluster.config import ClusterConfig
     from cluster.launch import start_cluster
     from engine.config import ModelConfig
     from engine.models.loader import resolve_model_dir
     from engine.tokenizer import Tokenizer
-    from engine.worker_common import engine_config_from_args
+    from engine.cli_args import engine_config_from_args
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     out = Path(args.out)
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = args.rates
     engine = engine_config_from_args(args)
     model_dir = resolve_model_dir(engine.model)
     tokenizer = Tokenizer.from_folder(model_dir)
@@ -59,18 +60,22 @@ def cmd_compare(args) -> int:
     max_model_len = min(engine.max_model_len or max_pos, max_pos)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
     slo_note = "given on the command line"
+    # build every run's requests first: a missing dataset fails before any cluster starts
+    workloads = {rate: build_specs(args, tokenizer, max_model_len, rate) for rate in rates}
     runs: dict = {}
     summaries: dict = {}
     unloaded: dict = {}
+    interrupted = False
     t_start = time.monotonic()
     for placement in args.placements.split(","):
+        if interrupted:
+            break
         cfg = ClusterConfig(engine=engine, placement=placement, num_prefill=args.prefill, num_decode=args.decode,
                             cpus_per_worker=args.cpus_per_worker, router_port=0, ray_address=args.address)
         console.print(f"[bold]{placement}[/]: starting {len(cfg.roles)} workers ({', '.join(cfg.roles)}) "
                       f"on {model_dir.name}...")
         with start_cluster(cfg) as cluster:
-            probe = build_specs(args, tokenizer, max_model_len, rates[0])
-            ttft0, tpot0 = asyncio.run(unloaded_latency(cluster.address, probe))
+            ttft0, tpot0 = asyncio.run(unloaded_latency(cluster.address, workloads[rates[0]]))
             unloaded[placement] = {"ttft_s": ttft0, "tpot_s": tpot0}
             console.print(f"  unloaded single request: TTFT {ttft0 * 1e3:.1f} ms, TPOT {tpot0 * 1e3:.1f} ms")
             if slo is None:
@@ -79,16 +84,19 @@ def cmd_compare(args) -> int:
                             f"at the start of the run")
                 console.print(f"  SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, TPOT {slo.tpot_s * 1e3:.1f} ms ({slo_note})")
             for rate in rates:
-                specs = build_specs(args, tokenizer, max_model_len, rate)
-                records = asyncio.run(bench_once(cluster.address, specs, f"{placement}@{rate:g}", args.max_duration))
+                records, interrupted = asyncio.run(bench_once(cluster.address, workloads[rate],
+                                                              f"{placement}@{rate:g}", args.max_duration))
                 summary = summarize(records, slo)
-                summary.update(placement=placement, rate=rate)
+                summary.update(placement=placement, rate=rate, interrupted=interrupted)
                 runs.setdefault(placement, {})[rate] = records
                 summaries.setdefault(placement, {})[rate] = summary
                 write_results(out / placement / f"rate_{rate:g}", records, summary)
                 console.print(f"  {rate:g} req/s: goodput {summary['goodput']:.2f} req/s, "
                               f"p90 TTFT {summary['ttft_s']['p90'] * 1e3:.0f} ms, "
                               f"p90 TPOT {summary['tpot_s']['p90'] * 1e3:.1f} ms, failed {summary['failed']}")
+                if interrupted:
+                    console.print("[bold]interrupted[/]: this rate is partial; skipping the rest of the sweep")
+                    break
     rows = table_rows(summaries)
     table = Table(title=f"colocated vs split: {model_dir.name}, {args.prefill}P+{args.decode}D, "
                         f"{args.cpus_per_worker} CPU/worker", header_style="bold")
@@ -110,20 +118,22 @@ def cmd_compare(args) -> int:
 
 
 def add_compare_parser(sub) -> None:
-    from engine.worker_common import add_engine_args
+    from engine.cli_args import add_engine_args, positive_float, positive_int
 
     p = sub.add_parser("compare", help="A/B colocated vs split placement on the same resources and requests")
     add_engine_args(p)
     p.set_defaults(model="embedded:llama-80m")
     p.add_argument("--placements", default="colocated,split", help="comma-separated, run in this order")
-    p.add_argument("--prefill", type=int, default=1, help="split: prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="split: decode workers (colocated runs prefill+decode workers)")
-    p.add_argument("--cpus-per-worker", type=int, default=1)
+    p.add_argument("--prefill", type=positive_int, default=1, help="split: prefill workers")
+    p.add_argument("--decode", type=positive_int, default=1,
+                   help="split: decode workers (colocated runs prefill+decode workers)")
+    p.add_argument("--cpus-per-worker", type=positive_int, default=1)
     p.add_argument("--address", default=None, help="Ray cluster to use (default: a local instance)")
-    p.add_argument("--rates", default="0.5,1,2", help="request rates to sweep, req/s")
-    p.add_argument("--slo-scale", type=float, default=3.0,
+    p.add_argument("--rates", type=lambda text: [positive_float(r) for r in text.split(",")],
+                   default=[0.5, 1.0, 2.0], help="comma-separated request rates to sweep, req/s (default 0.5,1,2)")
+    p.add_argument("--slo-scale", type=positive_float, default=3.0,
                    help="default SLOs = this x the unloaded single-request TTFT and TPOT")
-    p.add_argument("--max-duration", type=float, default=300.0, help="hard stop per rate, s")
+    p.add_argument("--max-duration", type=positive_float, default=300.0, help="hard stop per rate, s")
     p.add_argument("--out", default=f"bench_results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     add_workload_args(p)
     add_slo_args(p)

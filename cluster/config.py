@@ -17,6 +17,8 @@ class ClusterConfig:
     (one GPU each when GPUs exist; otherwise ``cpus_per_worker`` CPUs and as many torch threads).
     colocated: ``num_prefill + num_decode`` workers of role "both" with the same per-worker resources,
     so both placements use the same total hardware.
+    ``device`` None picks GPUs when the Ray cluster has one per worker, else CPUs; "cuda" or "cpu"
+    forces it (``start_cluster`` refuses "cuda" without enough GPUs).
     ``ray_address`` None starts a local Ray instance; otherwise joins that cluster.
     """
 
@@ -28,6 +30,7 @@ class ClusterConfig:
     router_host: str = "127.0.0.1"
     router_port: int = 50051
     ray_address: str | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -36,6 +39,8 @@ class ClusterConfig:
             raise ValueError("need at least one prefill and one decode worker (colocated uses their sum)")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be cpu, cuda or None (auto), got {self.device!r}")
 
     @property
     def roles(self) -> list[str]:
@@ -43,6 +48,14 @@ class ClusterConfig:
         if self.placement == "colocated":
             return ["both"] * (self.num_prefill + self.num_decode)
         return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+
+    def use_gpus(self, available_gpus: float) -> bool:
+        """Whether workers get one GPU each; ValueError when cuda is forced without enough GPUs."""
+        needed = len(self.roles)
+        if self.device == "cuda" and available_gpus < needed:
+            raise ValueError(f"--device cuda needs {needed} GPUs (one per worker); the Ray cluster has "
+                             f"{available_gpus:g}")
+        return self.device == "cuda" or (self.device is None and available_gpus >= needed)
 
     def worker_engine(self, use_gpu: bool) -> EngineConfig:
         """Engine settings for one worker: its device and, on CPU, its thread count."""

@@ -31,8 +31,9 @@ def _figures_table(prompts, results) -> Table:
     for col in ("#", "prompt tokens", "output tokens", "TTFT ms", "TPOT ms", "finish"):
         table.add_column(col, justify="right")
     for i, r in enumerate(results):
+        tpot = f"{r.tpot * 1e3:.1f}" if len(r.token_ids) > 1 else "-"
         table.add_row(str(i + 1), str(r.prompt_tokens), str(len(r.token_ids)), f"{r.ttft * 1e3:.1f}",
-                      f"{r.tpot * 1e3:.1f}", r.finish_reason or r.error)
+                      tpot, r.finish_reason or r.error)
     return table
 
 

@@ -74,10 +74,10 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
     roles = cfg.roles
     started = _init_ray(cfg, len(roles) * cfg.cpus_per_worker)
     cluster = Cluster(cfg, _started_ray=started)
-    use_gpu = ray.cluster_resources().get("GPU", 0) >= len(roles)
     bind = "127.0.0.1" if started else "0.0.0.0"
     t0 = time.monotonic()
     try:
+        use_gpu = cfg.use_gpus(ray.cluster_resources().get("GPU", 0))
         engine_cfg = cfg.worker_engine(use_gpu)
         opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cfg.cpus_per_worker}
         actors = [WorkerActor.options(**opts).remote() for _ in roles]
@@ -92,11 +92,21 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         cluster.address = ray.get(router.start.remote(
             str(model_dir), by_role["prefill"], by_role["decode"], by_role["both"], router_bind,
             cfg.router_port, cfg.engine.max_model_len), timeout=START_TIMEOUT_S)
+    except KeyboardInterrupt:
+        cluster.stop()
+        raise
     except Exception as exc:
         cluster.stop()
-        raise RuntimeError(f"cluster failed to start: {exc}") from exc
+        raise RuntimeError(f"cluster failed to start: {_root_cause(exc)}") from exc
     log.info("cluster up in %.1fs: router %s, workers %s", time.monotonic() - t0, cluster.address, cluster.workers)
     return cluster
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The worker's own exception for a Ray task error, else ``exc``."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        return f"{type(exc.cause).__name__}: {exc.cause}"
+    return str(exc)
 
 
 def _resolve_model(cfg: ClusterConfig):

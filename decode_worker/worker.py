@@ -15,7 +15,8 @@ from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
 PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
-                    (ValueError, grpc.StatusCode.INVALID_ARGUMENT), (TimeoutError, grpc.StatusCode.RESOURCE_EXHAUSTED))
+                    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+                    (KvCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
@@ -32,7 +33,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self.engine = engine
         self.kv_timeout_s = kv_timeout_s
         self.limits = limits
-        self.host = EngineHost(engine, extra_stats=lambda: {"num_awaiting_kv": len(self._pending)})
+        self.host = EngineHost(engine, extra_stats=lambda: {
+            "num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())})
         self._pending: dict[str, asyncio.Future] = {}
         self._kv_transfer_ns: dict[str, int] = {}
 
@@ -40,8 +42,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         """Unpack, check and admit a KV frame (KvReceiver).
 
         Raises KvCodecError for a bad frame, KeyError when no Decode stream waits for its request,
-        ValueError when the request can never fit, TimeoutError when blocks stay short past the
-        KV timeout. The waiting Decode stream gets the same error.
+        ValueError when the request can never fit, KvCacheFullError when blocks stay short past the
+        KV timeout (KvCacheFullError). The waiting Decode stream gets the same error.
         """
         payload = await asyncio.to_thread(unpack_kv, frame, self.engine.fingerprint, self.limits)
         rid = payload.request_id
@@ -56,7 +58,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 break
             except KvCacheFullError as exc:
                 if fut.done() or time.monotonic() > deadline:
-                    err = TimeoutError(f"KV cache full for {self.kv_timeout_s:.0f}s: {exc}")
+                    err = KvCacheFullError(f"KV cache full for {self.kv_timeout_s:.0f}s: {exc}")
                     if not fut.done():
                         fut.set_exception(err)
                     raise err from exc
@@ -96,7 +98,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV cache refused: {exc}")
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except TimeoutError as exc:
+            except KvCacheFullError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except Exception as exc:
                 await context.abort(grpc.StatusCode.INTERNAL, f"KV cache admission failed: {exc!r}")

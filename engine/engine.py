@@ -7,6 +7,7 @@ sequences with ``admit_kv`` and runs decode steps; a colocated worker does both 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from engine.params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class KvCacheFullError(RuntimeError):
@@ -59,8 +62,11 @@ class Engine:
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_cfg.eos_token_ids)
-        self.max_model_len = min(cfg.max_model_len or self.model_cfg.max_position_embeddings,
-                                 self.model_cfg.max_position_embeddings)
+        max_pos = self.model_cfg.max_position_embeddings
+        if cfg.max_model_len and cfg.max_model_len > max_pos:
+            log.warning("max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len,
+                        max_pos, max_pos)
+        self.max_model_len = min(cfg.max_model_len or max_pos, max_pos)
         mc = self.model_cfg
         self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                             cfg.dtype, cfg.block_size, self.tokenizer.content_hash)

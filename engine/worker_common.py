@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -15,9 +15,6 @@ from engine.serving import RequestStreams, drain
 from engine.params import SamplingParams
 from engine.sequence import FinishReason, Sequence
 from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -186,33 +183,3 @@ async def serve_worker(worker, add_role_servicer, role_service: str, host: str, 
         (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
     ], host, port)
     return RunningWorker(worker, server, f"{host}:{bound}")
-
-
-def add_engine_args(parser) -> None:
-    """Engine flags shared by the worker entry points and ``pdserve serve``."""
-    parser.add_argument("--model", default=None,
-                        help="HF folder or hub id; default: the embedded model ('embedded:<preset>' picks a preset)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV cache size in blocks (default: from --kv-cache-gib)")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV cache memory per worker, GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096, help="max tokens per prefill batch")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context window cap, tokens")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
-
-
-def engine_config_from_args(args, model_dir: str | None = None) -> EngineConfig:
-    """EngineConfig from ``add_engine_args`` flags; ``model_dir`` overrides ``--model``."""
-    import torch
-
-    from engine.config import EngineConfig
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return EngineConfig(model=model_dir or args.model or "embedded", block_size=args.block_size,
-                        num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, dtype=args.dtype, device=device,
-                        torch_threads=args.threads)

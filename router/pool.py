@@ -13,6 +13,7 @@ from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.1
+UNHEALTHY_AFTER_FAILURES = 3  # consecutive failed polls before a worker leaves the routing set
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -31,9 +32,11 @@ class WorkerHandle:
     address: str
     channel: grpc.aio.Channel = field(repr=False)
     healthy: bool = True
+    failed_polls: int = 0
     outstanding_prefill_tokens: int = 0
     active_requests: int = 0
     free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
     block_size: int = 16
     routed_blocks_since_poll: int = 0
 
@@ -99,18 +102,26 @@ class WorkerPool:
             try:
                 s = await w.admin.GetStats(worker_pb2.GetStatsRequest(), timeout=2.0)
             except grpc.aio.AioRpcError as exc:
-                if w.healthy:
-                    log.warning("worker %s %s unhealthy: %s", w.role, w.address, exc.code().name)
-                w.healthy = False
+                w.failed_polls += 1
+                if w.healthy and w.failed_polls >= UNHEALTHY_AFTER_FAILURES:
+                    log.warning("worker %s %s unhealthy after %d failed polls: %s", w.role, w.address,
+                                w.failed_polls, exc.code().name)
+                    w.healthy = False
                 return
-            w.healthy = True
+            w.healthy, w.failed_polls = True, 0
             w.free_kv_blocks, w.block_size, w.routed_blocks_since_poll = s.free_kv_blocks, s.block_size, 0
+            w.total_kv_blocks = s.free_kv_blocks + s.used_kv_blocks
 
         await asyncio.gather(*(one(w) for w in self.workers))
 
     async def start(self) -> None:
         await self.refresh()
         self._poller = asyncio.create_task(self._poll())
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the smallest KV cache among the workers can hold (None before any stats)."""
+        sizes = [w.total_kv_blocks * w.block_size for w in self.workers if w.total_kv_blocks]
+        return min(sizes) if sizes else None
 
     async def _poll(self) -> None:
         while True:

@@ -37,7 +37,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.tokenizer = Tokenizer.from_folder(model_dir)
         cfg = ModelConfig.from_folder(model_dir)
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        limits = [cfg.max_position_embeddings, max_model_len, pool.kv_capacity_tokens()]
+        self.max_model_len = min(x for x in limits if x)  # a request must fit the context and a KV cache
         self.pool = pool
         self.backend = ColocatedBackend(pool) if pool.placement == "colocated" else SplitBackend(pool)
         self.inflight: dict[str, RequestState] = {}

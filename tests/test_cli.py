@@ -68,3 +68,18 @@ def test_serve_generate_and_ctrl_c():
             serve.kill()
             pytest.fail("pdserve serve did not stop within 60 s of Ctrl-C")
     assert rc == 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "hi", "--port", "99999"], "port must be in 0..65535"),
+    (["generate", "hi", "--seed", "-1"], "must be >= 0"),
+    (["serve", "--prefill", "0"], "must be >= 1"),
+    (["bench", "--num-requests", "0"], "must be >= 1"),
+    (["bench", "--rate", "-1"], "must be a number > 0"),
+    (["compare", "--rates", "1,0"], "must be a number > 0"),
+    (["serve", "--model", "/nonexistent/model"], "not a folder"),
+])
+def test_bad_flags_get_one_clear_line(argv, needle):
+    run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert needle in run.stderr and "Traceback" not in run.stderr

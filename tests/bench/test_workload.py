@@ -304,3 +304,18 @@ def test_workload_module_imports_neither_torch_nor_ray():
     code = ("import sys, bench.workload, bench.prompts; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_datasets_found_from_the_working_directory(tmp_path, monkeypatch):
+    """An installed package run from a checkout finds ../shared/datasets or ./shared/datasets."""
+    import bench.workload as workload
+
+    monkeypatch.delenv("PDSERVE_DATASETS", raising=False)
+    monkeypatch.setattr(workload, "__file__", str(tmp_path / "venv" / "lib" / "site-packages" / "bench" / "workload.py"))
+    (tmp_path / "shared" / "datasets").mkdir(parents=True)
+    checkout = tmp_path / "pdserve"
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    assert resolve_datasets_dir() == tmp_path / "shared" / "datasets"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_datasets_dir() == tmp_path / "shared" / "datasets"

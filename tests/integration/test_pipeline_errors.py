@@ -194,3 +194,16 @@ async def test_unexpected_admission_failure_ends_the_request_at_once(embedded_di
         ok = await client.generate(make_request("hello again", max_tokens=1))
         assert len(ok.token_ids) == 1
         assert await pipe.wait_idle() == 0
+
+
+async def test_context_window_is_capped_by_the_kv_cache(embedded_dir):
+    """The router advertises and enforces what a worker's KV cache can hold, not only the model's."""
+    async with local_pipeline(embedded_dir, "split", num_kv_blocks=20, block_size=16) as pipe, \
+            Client(pipe.address) as client:
+        assert (await client.model_info()).max_model_len == 320
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.generate(make_request("", prompt_token_ids=[5] * 300, max_tokens=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "context window of 320 tokens" in info.value.details()
+        ok = await client.generate(make_request("", prompt_token_ids=[5] * 300, max_tokens=20, ignore_eos=True))
+        assert len(ok.token_ids) == 20

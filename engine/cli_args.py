@@ -1,0 +1,80 @@
+"""Engine command-line flags shared by the worker entry points and the pdserve CLI (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import KV_DTYPES, EngineConfig
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0 = any free port)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags (model, KV cache, batching, dtype, device, threads)."""
+    parser.add_argument("--model", default=None,
+                        help="HF folder or hub id; default: the embedded model ('embedded:<preset>' picks a preset)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                        help="KV cache size in blocks (default: from --kv-cache-gib)")
+    parser.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache memory per worker, GiB")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="max sequences per batch")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096,
+                        help="max tokens per prefill batch")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
+    parser.add_argument("--dtype", default="float32", choices=list(KV_DTYPES))
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="default: cuda when there is a GPU per worker, else cpu")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")
+
+
+def engine_config_from_args(args: argparse.Namespace, device: str | None = None) -> EngineConfig:
+    """EngineConfig from ``add_engine_args`` flags. The device is ``device``, else ``--device``, else
+    cuda when torch sees a GPU (torch is imported only in that last case)."""
+    device = device or args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(model=args.model or "embedded", block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, dtype=args.dtype, device=device,
+                        torch_threads=args.threads)
