@@ -1,7 +1,7 @@
 """Per-request records and the serving metrics computed from them.
 
-Definitions follow DESIGN.md §7 and the usual LLM serving benchmarks (vLLM's
-``benchmark_serving``, SGLang's ``bench_serving``):
+Definitions follow the usual LLM serving benchmarks (vLLM's ``benchmark_serving``,
+SGLang's ``bench_serving``):
 
 * TTFT (time to first token): request sent -> first output token received by the client.
 * TPOT (time per output token): ``(E2E - TTFT) / (output tokens - 1)``, i.e. the first token

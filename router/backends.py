@@ -59,7 +59,7 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
 
 
 class SplitBackend:
-    """Prefill on one worker of the prefill pool, decode on one of the decode pool (DESIGN.md §3)."""
+    """Prefill on one worker of the prefill pool, decode on one of the decode pool (README: life of a request)."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool

@@ -32,7 +32,7 @@ class GenerationResult:
 
     @property
     def ttft(self) -> float:
-        """Time to first token, s (DESIGN.md §7)."""
+        """Time to first token, s: request sent -> first token received."""
         return self.token_times[0] - self.sent_at if self.token_times else float("nan")
 
     @property
