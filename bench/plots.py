@@ -95,7 +95,7 @@ def plot_cdfs(runs: Runs, out_path, slo: SLO | None = None) -> Path:
                 drawn = True
             if limit is not None:
                 ax.axvline(limit * 1e3, color="black", linestyle="--", linewidth=1,
-                           label=f"SLO {limit * 1e3:g} ms")
+                           label=f"SLO {limit * 1e3:.0f} ms")
             if not drawn:
                 _no_data(ax, "no completed requests")
             rate_txt = "no runs" if math.isnan(rate) else f"{rate:g} req/s"
