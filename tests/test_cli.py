@@ -77,7 +77,7 @@ def test_serve_generate_and_ctrl_c():
     (["bench", "--num-requests", "0"], "must be >= 1"),
     (["bench", "--rate", "-1"], "must be a number > 0"),
     (["compare", "--rates", "1,0"], "must be a number > 0"),
-    (["serve", "--model", "/nonexistent/model"], "not a folder"),
+    (["serve", "--model", "/nonexistent/model", "--port", "0"], "not a folder"),
 ])
 def test_bad_flags_get_one_clear_line(argv, needle):
     run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)
