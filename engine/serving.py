@@ -70,9 +70,6 @@ class RequestStreams:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    def __len__(self) -> int:
-        return len(self._queues)
-
 
 async def drain(q: asyncio.Queue) -> list[Any]:
     """Wait for one item, then take every item already queued (coalesces tokens into one message)."""

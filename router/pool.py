@@ -128,12 +128,6 @@ class WorkerPool:
             await asyncio.sleep(STATS_INTERVAL_S)
             await self.refresh()
 
-    async def stats(self) -> list[tuple[WorkerHandle, worker_pb2.WorkerStats]]:
-        """Fresh GetStats of every worker (raises grpc errors)."""
-        replies = await asyncio.gather(*(w.admin.GetStats(worker_pb2.GetStatsRequest(), timeout=5.0)
-                                         for w in self.workers))
-        return list(zip(self.workers, replies))
-
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
