@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from engine.cli_args import non_negative_float, positive_float, positive_int
+from engine.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 from bench.metrics import SLO, RequestRecord, json_safe, summarize
 from bench.prompts import PROMPT_SETS, PromptPool, load_prompts
 from bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, gamma_arrivals, load_trace,
@@ -35,7 +35,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-tokens", type=positive_int, default=None)
     g.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}")
     g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def add_slo_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,9 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
     """The request list for one run. The same args give the same lengths and prompts at every rate;
     only the send times change with ``rate`` (req/s)."""
     rows = window(load_trace(args.trace, args.datasets_dir), args.trace_start, args.duration, args.num_requests)
+    if not rows:
+        raise ValueError(f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) "
+                         f"holds no requests")
     if args.arrival == "trace":
         if rate:
             rows = scale_to_rate(rows, rate)
@@ -121,6 +124,9 @@ async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_du
             task = bar.add_task(f"{run_id}: {len(specs)} requests", total=len(specs))
             records = await run_load(address, specs, run_id=run_id, max_duration_s=max_duration_s,
                                      temperature=temperature, stop=stop, on_record=lambda _: bar.advance(task))
+            failed = [r for r in records if r.error]
+            if failed:
+                print(f"{len(failed)} of {len(records)} requests failed; first error: {failed[0].error}")
             return records, stop.is_set()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
@@ -140,16 +146,21 @@ def cmd_bench(args) -> int:
         specs = build_specs(args, tokenizer, info.max_model_len, args.rate)
         print(f"sending {len(specs)} requests to {args.router} ({info.placement}) over "
               f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
+        t0 = time.perf_counter()
         records, interrupted = await bench_once(args.router, specs, "bench", args.max_duration, args.temperature)
+        elapsed = time.perf_counter() - t0
         slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
-        summary = summarize(records, slo)
+        summary = summarize(records, slo, duration_s=elapsed if interrupted else None)
         summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
                        scheduled=len(specs), interrupted=interrupted)
         write_results(Path(args.out), records, summary)
         rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
         print_summary(summary, f"{info.placement} @ {rate}")
         print(f"results: {Path(args.out) / 'results.jsonl'}, {Path(args.out) / 'summary.json'}")
+        if interrupted:
+            print("interrupted: partial results")
+            return 130
         return 0 if summary["failed"] == 0 else 1
 
     return asyncio.run(main())

@@ -16,6 +16,9 @@ def _advertised_host(bind_host: str) -> str:
 class WorkerActor:
     """One worker process; its role is fixed by ``start``."""
 
+    def __init__(self) -> None:
+        self.running = None
+
     async def start(self, role: str, engine_cfg, bind_host: str) -> str:
         """Build the engine, serve the role's gRPC services; returns the advertised "host:port"."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -29,12 +32,16 @@ class WorkerActor:
         return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
 
     async def stop(self) -> None:
-        await self.running.stop()
+        if self.running is not None:
+            await self.running.stop()
 
 
 @ray.remote(num_cpus=0)
 class RouterActor:
     """The client-facing router."""
+
+    def __init__(self) -> None:
+        self.running = None
 
     async def start(self, model_dir: str, prefill: list[str], decode: list[str], both: list[str],
                     bind_host: str, port: int, max_model_len: int | None) -> str:
@@ -45,4 +52,5 @@ class RouterActor:
         return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
 
     async def stop(self) -> None:
-        await self.running.stop()
+        if self.running is not None:
+            await self.running.stop()

@@ -53,7 +53,7 @@ def cmd_compare(args) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)
     out = Path(args.out)
     rates = args.rates
-    engine = engine_config_from_args(args)
+    engine = engine_config_from_args(args, device="cpu")  # the cluster picks each worker's device
     model_dir = resolve_model_dir(engine.model)
     tokenizer = Tokenizer.from_folder(model_dir)
     max_pos = ModelConfig.from_folder(model_dir).max_position_embeddings
@@ -71,7 +71,8 @@ def cmd_compare(args) -> int:
         if interrupted:
             break
         cfg = ClusterConfig(engine=engine, placement=placement, num_prefill=args.prefill, num_decode=args.decode,
-                            cpus_per_worker=args.cpus_per_worker, router_port=0, ray_address=args.address)
+                            cpus_per_worker=args.cpus_per_worker, router_port=0, ray_address=args.address,
+                            device=args.device)
         console.print(f"[bold]{placement}[/]: starting {len(cfg.roles)} workers ({', '.join(cfg.roles)}) "
                       f"on {model_dir.name}...")
         with start_cluster(cfg) as cluster:
@@ -84,9 +85,11 @@ def cmd_compare(args) -> int:
                             f"at the start of the run")
                 console.print(f"  SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, TPOT {slo.tpot_s * 1e3:.1f} ms ({slo_note})")
             for rate in rates:
+                t0 = time.perf_counter()
                 records, interrupted = asyncio.run(bench_once(cluster.address, workloads[rate],
                                                               f"{placement}@{rate:g}", args.max_duration))
-                summary = summarize(records, slo)
+                # a stopped run lasted as long as it ran, not until its last finished request
+                summary = summarize(records, slo, duration_s=time.perf_counter() - t0 if interrupted else None)
                 summary.update(placement=placement, rate=rate, interrupted=interrupted)
                 runs.setdefault(placement, {})[rate] = records
                 summaries.setdefault(placement, {})[rate] = summary
@@ -113,8 +116,8 @@ def cmd_compare(args) -> int:
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "note": slo_note}, "unloaded": unloaded,
         "summaries": {p: {f"{r:g}": s for r, s in per.items()} for p, per in summaries.items()}}), indent=2))
     console.print(f"wrote {out / 'table.md'}, {out / 'compare.json'}, " + ", ".join(str(p) for p in plots))
-    console.print(f"total {time.monotonic() - t_start:.0f}s")
-    return 0
+    console.print(f"total {time.monotonic() - t_start:.0f}s" + (" (interrupted: partial results)" if interrupted else ""))
+    return 130 if interrupted else 0
 
 
 def add_compare_parser(sub) -> None:

@@ -91,8 +91,10 @@ def cmd_demo(args) -> int:
 
 
 def add_demo_parser(sub) -> None:
+    from engine.cli_args import positive_int
+
     p = sub.add_parser("demo", help="start a local split cluster and stream answers for real prompts")
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded model)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--cpus-per-worker", type=int, default=1)
+    p.add_argument("--max-tokens", type=positive_int, default=48)
+    p.add_argument("--cpus-per-worker", type=positive_int, default=1)
     p.set_defaults(func=cmd_demo)

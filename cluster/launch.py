@@ -111,6 +111,11 @@ def _root_cause(exc: BaseException) -> str:
 
 def _resolve_model(cfg: ClusterConfig):
     """Resolve the model once in the driver so every actor loads the same folder."""
+    from engine.config import ModelConfig
     from engine.models.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
 
-    return resolve_model_dir(cfg.engine.model)
+    model_dir = resolve_model_dir(cfg.engine.model)
+    ModelConfig.from_folder(model_dir)  # fail here, not in every actor, on a bad folder
+    Tokenizer.from_folder(model_dir)
+    return model_dir

@@ -46,7 +46,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(self, request: PB.GenerateRequest, context: grpc.aio.ServicerContext):
         t0 = time.monotonic_ns()
         try:
-            req = validate(request, self.tokenizer, self.max_model_len, self.vocab_size)
+            # tokenizing a huge prompt takes seconds: keep the event loop serving other clients
+            req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if req.request_id in self.inflight:

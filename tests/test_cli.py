@@ -83,3 +83,13 @@ def test_bad_flags_get_one_clear_line(argv, needle):
     run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert needle in run.stderr and "Traceback" not in run.stderr
+
+
+def test_device_cuda_without_gpus_is_refused():
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs for both workers")
+    run = subprocess.run(PDSERVE + ["serve", "--device", "cuda", "--port", "0"], capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 2 and "--device cuda needs 2 GPUs" in run.stderr, run.stderr
