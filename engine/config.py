@@ -29,7 +29,6 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # each query attends to at most this many latest positions (Mistral, Qwen2)
 
     @classmethod
@@ -69,8 +68,6 @@ class ModelConfig:
                 rope_scaling = None
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -86,7 +83,6 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg, arch),
         )
 

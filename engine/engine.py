@@ -61,7 +61,7 @@ class Engine:
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_cfg.eos_token_ids)
+        self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > max_pos:
             log.warning("max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import grpc
 
@@ -44,19 +45,19 @@ class WorkerHandle:
     def connect(cls, role: str, address: str) -> "WorkerHandle":
         return cls(role, address, grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
 
-    @property
+    @cached_property
     def prefill(self) -> worker_pb2_grpc.PrefillServiceStub:
         return worker_pb2_grpc.PrefillServiceStub(self.channel)
 
-    @property
+    @cached_property
     def decode(self) -> worker_pb2_grpc.DecodeServiceStub:
         return worker_pb2_grpc.DecodeServiceStub(self.channel)
 
-    @property
+    @cached_property
     def colocated(self) -> worker_pb2_grpc.ColocatedServiceStub:
         return worker_pb2_grpc.ColocatedServiceStub(self.channel)
 
-    @property
+    @cached_property
     def admin(self) -> worker_pb2_grpc.WorkerServiceStub:
         return worker_pb2_grpc.WorkerServiceStub(self.channel)
 
