@@ -11,10 +11,10 @@ import socket
 import time
 from pathlib import Path
 
-from engine.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
-from bench.metrics import SLO, RequestRecord, json_safe, summarize
-from bench.prompts import PROMPT_SETS, PromptPool, load_prompts
-from bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, gamma_arrivals, load_trace,
+from pdserve.engine.host.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
+from pdserve.bench.metrics import SLO, RequestRecord, json_safe, summarize
+from pdserve.bench.prompts import PROMPT_SETS, PromptPool, load_prompts
+from pdserve.bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, gamma_arrivals, load_trace,
                             poisson_arrivals, sample_lengths, scale_to_rate, window)
 
 DEFAULT_PROMPTS = "sharegpt,belle-zh"
@@ -114,7 +114,7 @@ async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_du
     records and whether Ctrl-C stopped the run."""
     from rich.progress import Progress
 
-    from bench.runner import run_load
+    from pdserve.bench.runner import run_load
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,8 +133,8 @@ async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_du
 
 
 def cmd_bench(args) -> int:
-    from engine.tokenizer import Tokenizer
-    from router.client import Client
+    from pdserve.engine.text.tokenizer import Tokenizer
+    from pdserve.router.client import Client
 
     if not is_loopback(args.router) and not args.allow_remote:
         raise SystemExit(f"refusing to load-test non-loopback address {args.router} (pass --allow-remote)")

@@ -1,8 +1,8 @@
 """Figures comparing placements ("colocated" vs "split") across request rates.
 
 Inputs: ``runs`` maps placement name -> request rate (req/s) -> list of
-:class:`~bench.metrics.RequestRecord`; ``summaries`` has the same keys and holds the output of
-:func:`~bench.metrics.summarize`. Figures are drawn on matplotlib's Agg canvas without pyplot,
+:class:`~pdserve.bench.metrics.RequestRecord`; ``summaries`` has the same keys and holds the output of
+:func:`~pdserve.bench.metrics.summarize`. Figures are drawn on matplotlib's Agg canvas without pyplot,
 so nothing global is touched and nothing is ever shown on screen.
 """
 
@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from bench.metrics import BREAKDOWN_KEYS, SLO, RequestRecord
+from pdserve.bench.metrics import BREAKDOWN_KEYS, SLO, RequestRecord
 
 DPI = 120
 _PLACEMENT_COLORS = {"colocated": "tab:blue", "split": "tab:orange"}

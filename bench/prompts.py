@@ -7,7 +7,7 @@ into token ids of an exact length, so a replayed trace sends prompts whose
 lengths match the trace: the load generator sends ids, not text, because
 re-tokenizing cut text does not give a stable count.
 
-Torch-free: only :mod:`engine.tokenizer` (``tokenizers``) and the standard library.
+Torch-free: only :mod:`pdserve.engine.text.tokenizer` (``tokenizers``) and the standard library.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from bench.workload import dataset_file
-from engine.tokenizer import Tokenizer
+from pdserve.bench.workload import dataset_file
+from pdserve.engine.text.tokenizer import Tokenizer
 
 __all__ = ["PROMPT_SETS", "load_prompts", "PromptPool"]
 

@@ -12,9 +12,9 @@ from typing import Callable, Sequence
 
 import grpc
 
-from bench.metrics import RequestRecord
-from bench.workload import RequestSpec
-from router.client import FINISH_NAMES, Client, make_request
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workload import RequestSpec
+from pdserve.router.client import FINISH_NAMES, Client, make_request
 
 
 async def _one(client: Client, spec: RequestSpec, run_id: str, t0: float, timeout_s: float,

@@ -5,7 +5,7 @@ replayed as recorded, windowed and optionally time-scaled to a target rate) or
 from a seeded synthetic process (Poisson, or gamma gaps with vLLM-style
 "burstiness").  Lengths come from the same trace rows, clipped to what the model
 can hold.  :func:`build_workload` joins a schedule and lengths with prompt token
-ids from a :class:`bench.prompts.PromptPool` into :class:`RequestSpec` objects.
+ids from a :class:`pdserve.bench.prompts.PromptPool` into :class:`RequestSpec` objects.
 
 Pure standard library + numpy; never imports torch or ray.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from bench.prompts import PromptPool
+    from pdserve.bench.prompts import PromptPool
 
 __all__ = ["TraceRow", "TRACES", "RequestSpec", "resolve_datasets_dir", "dataset_file", "load_trace",
            "window", "scale_to_rate", "poisson_arrivals", "gamma_arrivals", "clip_lengths",

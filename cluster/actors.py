@@ -23,11 +23,11 @@ class WorkerActor:
         """Build the engine, serve the role's gRPC services; returns the advertised "host:port"."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         if role == "prefill":
-            from prefill_worker.worker import serve
+            from pdserve.prefill_worker.worker import serve
         elif role == "decode":
-            from decode_worker.worker import serve
+            from pdserve.decode_worker.worker import serve
         else:
-            from decode_worker.colocated import serve
+            from pdserve.decode_worker.colocated import serve
         self.running = await serve(engine_cfg, bind_host, 0)
         return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
 
@@ -46,7 +46,7 @@ class RouterActor:
     async def start(self, model_dir: str, prefill: list[str], decode: list[str], both: list[str],
                     bind_host: str, port: int, max_model_len: int | None) -> str:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        from router.server import serve
+        from pdserve.router.server import serve
 
         self.running = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len)
         return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"

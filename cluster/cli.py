@@ -9,14 +9,14 @@ import signal
 import socket
 import sys
 
-from engine.cli_args import add_engine_args, non_negative_int, port, positive_int
+from pdserve.engine.host.cli_args import add_engine_args, non_negative_int, port, positive_int
 
 DEFAULT_PORT = 50051
 
 
 def _cluster_config(args):
-    from cluster.config import ClusterConfig
-    from engine.cli_args import engine_config_from_args
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.engine.host.cli_args import engine_config_from_args
 
     return ClusterConfig(engine=engine_config_from_args(args, device="cpu"), placement=args.placement,
                          num_prefill=args.prefill, num_decode=args.decode,
@@ -49,7 +49,7 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
 
 
 def cmd_serve(args) -> int:
-    from cluster.launch import start_cluster
+    from pdserve.cluster.launch import start_cluster
 
     cfg = _cluster_config(args)
     if args.address is None:
@@ -77,7 +77,7 @@ def cmd_serve(args) -> int:
 def cmd_generate(args) -> int:
     import grpc
 
-    from router.client import Client, make_request
+    from pdserve.router.client import Client, make_request
 
     async def run() -> int:
         req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
 
-    from bench.cli import add_bench_parser
-    from cluster.compare import add_compare_parser
-    from cluster.demo import add_demo_parser
+    from pdserve.bench.cli import add_bench_parser
+    from pdserve.cluster.compare import add_compare_parser
+    from pdserve.cluster.demo import add_demo_parser
 
     add_demo_parser(sub)
     add_bench_parser(sub)

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.cli import add_slo_args, add_workload_args, bench_once, build_specs, write_results
-from bench.metrics import SLO, json_safe, summarize
-from bench.runner import unloaded_latency
+from pdserve.bench.cli import add_slo_args, add_workload_args, bench_once, build_specs, write_results
+from pdserve.bench.metrics import SLO, json_safe, summarize
+from pdserve.bench.runner import unloaded_latency
 
 TABLE_COLUMNS = ("rate req/s", "placement", "goodput req/s", "SLO met", "p90 TTFT ms", "p90 TPOT ms",
                  "mean TTFT ms", "mean TPOT ms", "output tok/s", "failed")
@@ -42,13 +42,13 @@ def cmd_compare(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from bench.plots import write_all
-    from cluster.config import ClusterConfig
-    from cluster.launch import start_cluster
-    from engine.config import ModelConfig
-    from engine.models.loader import resolve_model_dir
-    from engine.tokenizer import Tokenizer
-    from engine.cli_args import engine_config_from_args
+    from pdserve.bench.plots import write_all
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.launch import start_cluster
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.models.loader import resolve_model_dir
+    from pdserve.engine.text.tokenizer import Tokenizer
+    from pdserve.engine.host.cli_args import engine_config_from_args
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     out = Path(args.out)
@@ -121,7 +121,7 @@ def cmd_compare(args) -> int:
 
 
 def add_compare_parser(sub) -> None:
-    from engine.cli_args import add_engine_args, positive_float, positive_int
+    from pdserve.engine.host.cli_args import add_engine_args, positive_float, positive_int
 
     p = sub.add_parser("compare", help="A/B colocated vs split placement on the same resources and requests")
     add_engine_args(p)

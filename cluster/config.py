@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 
 PLACEMENTS = ("split", "colocated")
 

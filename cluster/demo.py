@@ -14,7 +14,7 @@ from rich.table import Table
 
 def demo_prompts() -> list[str]:
     """The packaged demo prompts (English: Vicuna bench; Chinese: MT-Bench-ZH)."""
-    return json.loads(resources.files("cluster").joinpath("demo_prompts.json").read_text("utf-8"))["prompts"]
+    return json.loads(resources.files("pdserve.cluster").joinpath("demo_prompts.json").read_text("utf-8"))["prompts"]
 
 
 def _answers_table(prompts, texts) -> Table:
@@ -38,7 +38,7 @@ def _figures_table(prompts, results) -> Table:
 
 
 async def _run(address: str, prompts: list[str], max_tokens: int, console: Console):
-    from router.client import Client, make_request
+    from pdserve.router.client import Client, make_request
 
     texts = [""] * len(prompts)
     async with Client(address) as client:
@@ -63,9 +63,9 @@ async def _run(address: str, prompts: list[str], max_tokens: int, console: Conso
 
 
 def cmd_demo(args) -> int:
-    from cluster.config import ClusterConfig
-    from cluster.launch import start_cluster
-    from engine.config import EngineConfig
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.launch import start_cluster
+    from pdserve.engine.config import EngineConfig
 
     console = Console()
     prompts = demo_prompts()
@@ -91,7 +91,7 @@ def cmd_demo(args) -> int:
 
 
 def add_demo_parser(sub) -> None:
-    from engine.cli_args import positive_int
+    from pdserve.engine.host.cli_args import positive_int
 
     p = sub.add_parser("demo", help="start a local split cluster and stream answers for real prompts")
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded model)")

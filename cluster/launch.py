@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import ray
 
-from cluster.actors import RouterActor, WorkerActor
-from cluster.config import ClusterConfig
+from pdserve.cluster.actors import RouterActor, WorkerActor
+from pdserve.cluster.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
@@ -111,9 +111,9 @@ def _root_cause(exc: BaseException) -> str:
 
 def _resolve_model(cfg: ClusterConfig):
     """Resolve the model once in the driver so every actor loads the same folder."""
-    from engine.config import ModelConfig
-    from engine.models.loader import resolve_model_dir
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.models.loader import resolve_model_dir
+    from pdserve.engine.text.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(cfg.engine.model)
     ModelConfig.from_folder(model_dir)  # fail here, not in every actor, on a bad folder

@@ -10,10 +10,10 @@ import asyncio
 
 import grpc
 
-from engine.engine import Engine
-from engine.sequence import Sequence
-from engine.worker_common import EngineHost, abort_quietly, admit_prompt, relay_tokens
-from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.engine.engine import Engine
+from pdserve.engine.scheduling.sequence import Sequence
+from pdserve.engine.host.worker_common import EngineHost, abort_quietly, admit_prompt, relay_tokens
+from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 
 class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
@@ -47,7 +47,7 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0):
     """Build the engine (off the event loop) and serve ColocatedService + WorkerService."""
-    from engine.worker_common import serve_worker
+    from pdserve.engine.host.worker_common import serve_worker
 
     engine = await asyncio.to_thread(Engine, cfg)
     worker = ColocatedWorker(engine)

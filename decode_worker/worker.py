@@ -7,11 +7,11 @@ import time
 
 import grpc
 
-from engine.engine import Engine, KvCacheFullError
-from engine.kv_codec import FrameAssembler, KvCodecError, KvLimits, unpack_kv
-from engine.sequence import Sequence
-from engine.worker_common import EngineHost, abort_quietly, relay_tokens
-from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.engine.engine import Engine, KvCacheFullError
+from pdserve.engine.kv.codec import FrameAssembler, KvCodecError, KvLimits, unpack_kv
+from pdserve.engine.scheduling.sequence import Sequence
+from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens
+from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
 PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
@@ -20,7 +20,7 @@ PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError,
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
-    """Composes an EngineHost (engine + its thread); implements ``engine.kv_transfer.KvReceiver``.
+    """Composes an EngineHost (engine + its thread); implements ``pdserve.engine.kv.transfer.KvReceiver``.
 
     A request is attached by ``Decode`` (the router calls it before prefill); its KV arrives through
     ``PushKv`` within ``kv_timeout_s`` seconds or the stream fails with DEADLINE_EXCEEDED. KV for a
@@ -142,9 +142,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float = 30.0):
     """Build the engine (off the event loop) and serve DecodeService + WorkerService.
 
-    Returns an ``engine.worker_common.RunningWorker``; ``port=0`` picks a free port.
+    Returns a ``pdserve.engine.host.worker_common.RunningWorker``; ``port=0`` picks a free port.
     """
-    from engine.worker_common import serve_worker
+    from pdserve.engine.host.worker_common import serve_worker
 
     engine = await asyncio.to_thread(Engine, cfg)
     worker = DecodeWorker(engine, kv_timeout_s)

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.kv_codec import KvPayload, ModelFingerprint
-from engine.model_runner import ModelRunner
-from engine.models.loader import resolve_model_dir
-from engine.params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
-from engine.tokenizer import Tokenizer
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.loader import resolve_model_dir
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.scheduler import Scheduler
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence
+from pdserve.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

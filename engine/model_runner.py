@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.models.llama import AttentionMetadata, LlamaModel
-from engine.models.loader import load_weights
-from engine.sampling import sample
-from engine.scheduler import Batch
-from engine.sequence import Sequence
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.models.llama import AttentionMetadata, LlamaModel
+from pdserve.engine.models.loader import load_weights
+from pdserve.engine.sampling import sample
+from pdserve.engine.scheduling.scheduler import Batch
+from pdserve.engine.scheduling.sequence import Sequence
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

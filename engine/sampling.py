@@ -6,7 +6,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from engine.params import SamplingParams, step_seed
+from pdserve.engine.params import SamplingParams, step_seed
 
 
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], steps: Seq[int]) -> list[int]:

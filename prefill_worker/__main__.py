@@ -1,6 +1,6 @@
-"""``python -m prefill_worker``: one standalone prefill worker."""
+"""``python -m pdserve.prefill_worker``: one standalone prefill worker."""
 
-from engine.worker_main import run_worker
-from prefill_worker.worker import serve
+from pdserve.engine.host.worker_main import run_worker
+from pdserve.prefill_worker.worker import serve
 
 run_worker("pdserve prefill worker", serve)

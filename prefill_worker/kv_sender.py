@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import grpc
 
-from engine.kv_codec import iter_chunks
-from engine.kv_transfer import KvTransferError
-from engine.serving import GRPC_OPTIONS
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.engine.kv.codec import iter_chunks
+from pdserve.engine.kv.transfer import KvTransferError
+from pdserve.engine.host.serving import GRPC_OPTIONS
+from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
 
 
 class GrpcKvSender:
-    """Implements ``engine.kv_transfer.KvSender``.
+    """Implements ``pdserve.engine.kv.transfer.KvSender``.
 
     Frames travel as ``KvChunk`` messages of at most ``chunk_bytes`` (default 1 MiB, below gRPC's
     4 MiB default message limit). One channel per decode worker is kept open.

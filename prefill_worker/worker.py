@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.engine import Engine, StepOutput
-from engine.kv_codec import KvPayload, pack_kv
-from engine.kv_transfer import KvSender, KvTransferError
-from engine.sequence import FinishReason
-from engine.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
-from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.engine.engine import Engine, StepOutput
+from pdserve.engine.kv.codec import KvPayload, pack_kv
+from pdserve.engine.kv.transfer import KvSender, KvTransferError
+from pdserve.engine.scheduling.sequence import FinishReason
+from pdserve.engine.host.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
+from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
     """Build the engine (off the event loop) and serve PrefillService + WorkerService.
 
-    Returns an ``engine.worker_common.RunningWorker``; ``port=0`` picks a free port.
+    Returns a ``pdserve.engine.host.worker_common.RunningWorker``; ``port=0`` picks a free port.
     """
-    from engine.worker_common import serve_worker
-    from prefill_worker.kv_sender import GrpcKvSender
+    from pdserve.engine.host.worker_common import serve_worker
+    from pdserve.prefill_worker.kv_sender import GrpcKvSender
 
     engine = await asyncio.to_thread(Engine, cfg)
     worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))

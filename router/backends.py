@@ -12,9 +12,9 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from proto.pdserve.v1 import generate_pb2, worker_pb2
-from router.pool import WorkerPool
-from router.validation import ValidatedRequest
+from pdserve.proto.v1 import generate_pb2, worker_pb2
+from pdserve.router.pool import WorkerPool
+from pdserve.router.validation import ValidatedRequest
 
 KV_TIMEOUT_S = 30.0
 

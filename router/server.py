@@ -10,14 +10,14 @@ from pathlib import Path
 
 import grpc
 
-from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.serving import start_server
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
-from router.backends import ColocatedBackend, RequestState, SplitBackend
-from router.pool import NoWorkerAvailable, WorkerPool
-from router.validation import InvalidRequest, validate
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
+from pdserve.engine.host.serving import start_server
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.proto.v1 import generate_pb2, generate_pb2_grpc
+from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
+from pdserve.router.pool import NoWorkerAvailable, WorkerPool
+from pdserve.router.validation import InvalidRequest, validate
 
 log = logging.getLogger(__name__)
 PB = generate_pb2

@@ -7,9 +7,9 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from engine.params import sampling_errors
-from engine.tokenizer import Tokenizer
-from proto.pdserve.v1 import generate_pb2, worker_pb2
+from pdserve.engine.params import sampling_errors
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.proto.v1 import generate_pb2, worker_pb2
 
 MAX_STOP_STRINGS = 16
 

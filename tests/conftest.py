@@ -31,7 +31,7 @@ def stories_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    from engine.models.embedded import embedded_model_dir
+    from pdserve.engine.models.embedded import embedded_model_dir
 
     return embedded_model_dir()
 

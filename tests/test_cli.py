@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import STORIES
 
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
 
 
 def _free_port() -> int:

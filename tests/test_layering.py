@@ -1,4 +1,8 @@
-"""DESIGN.md §2 import rules and the file-size limit, checked with ``ast`` over the source tree."""
+"""DESIGN.md §2 import rules and the file-size limit, checked with ``ast`` over the source tree.
+
+The checkout's top-level folders install as ``pdserve.<folder>`` (pyproject.toml ``package-dir``), so
+``engine/config.py`` is the module ``pdserve.engine.config`` and our code imports it by that name.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "pdserve"
 PACKAGES = ("proto", "engine", "prefill_worker", "decode_worker", "router", "cluster")
+ALL_FOLDERS = (*PACKAGES, "bench")  # every folder that installs under the namespace
 MAX_LINES = 300
+
+
+def ours(package: str) -> str:
+    """The import name of one of our folders: ``engine`` -> ``pdserve.engine``."""
+    return f"{NAMESPACE}.{package}"
 
 
 class Import:
@@ -22,15 +33,22 @@ class Import:
 
     @property
     def top(self) -> str:
-        return self.module.split(".")[0]
+        """The top-level distribution the import names: ``torch``, ``ray``; ours as ``pdserve.engine``."""
+        parts = self.module.split(".")
+        return ".".join(parts[:2]) if parts[0] == NAMESPACE else parts[0]
+
+    @property
+    def is_ours(self) -> bool:
+        return self.module.split(".")[0] == NAMESPACE
 
     def where(self, root: Path) -> str:
         return f"{self.path.relative_to(root)}:{self.lineno} imports {self.module}"
 
 
 def module_of(path: Path, root: Path) -> str:
+    """The installed module name of a source file: ``engine/kv/codec.py`` -> ``pdserve.engine.kv.codec``."""
     parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join([NAMESPACE, *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 def imports_of(path: Path, root: Path) -> list[Import]:
@@ -47,7 +65,11 @@ def imports_of(path: Path, root: Path) -> list[Import]:
                 anchor = package.split(".") if package else []
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            found.append(Import(path, node.lineno, base, tuple(a.name for a in node.names)))
+            names = tuple(a.name for a in node.names)
+            if base == NAMESPACE:  # `from pdserve import engine` imports the package pdserve.engine
+                found += [Import(path, node.lineno, f"{base}.{n}") for n in names if n != "*"]
+            else:
+                found.append(Import(path, node.lineno, base, names))
     return found
 
 
@@ -56,7 +78,9 @@ def source_files(root: Path, package: str) -> list[Path]:
 
 
 def module_file(module: str, root: Path) -> Path | None:
-    parts = module.split(".")
+    namespace, *parts = module.split(".")
+    if namespace != NAMESPACE or not parts:
+        return None  # not ours, or the namespace package itself (it has no file)
     for candidate in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
         if candidate.is_file():
             return candidate
@@ -79,7 +103,7 @@ def closure(starts: list[Path], root: Path) -> dict[Path, Path | None]:
     while todo:
         path = todo.popleft()
         for imp in imports_of(path, root):
-            if imp.top not in PACKAGES:
+            if not imp.is_ours:
                 continue
             for target in project_targets(imp, root):
                 if target not in parent:
@@ -110,8 +134,20 @@ def transitive_violations(package: str, forbidden: set[str], root: Path = ROOT) 
 
 def test_repository_root_is_found() -> None:
     assert (ROOT / "pyproject.toml").is_file()
-    for package in PACKAGES:
+    for package in ALL_FOLDERS:
         assert source_files(ROOT, package), f"no sources found under {package}/"
+
+
+def bare_imports(paths: list[Path], root: Path) -> list[str]:
+    """Imports of our folders by their checkout names (``import engine``) instead of ``pdserve.engine``."""
+    return [imp.where(root) for path in paths for imp in imports_of(path, root) if imp.top in ALL_FOLDERS]
+
+
+def test_our_packages_are_imported_only_under_the_namespace() -> None:
+    # A bare `engine.x` works only from the repo root and would be a second copy of `pdserve.engine.x`.
+    paths = [p for package in ALL_FOLDERS for p in source_files(ROOT, package)] + source_files(ROOT, "tests")
+    bad = bare_imports(paths, ROOT)
+    assert not bad, f"import our packages as {NAMESPACE}.<package>:\n" + "\n".join(bad)
 
 
 def test_proto_imports_nothing_of_ours() -> None:
@@ -119,23 +155,23 @@ def test_proto_imports_nothing_of_ours() -> None:
     bad = []
     for path in source_files(ROOT, "proto"):
         for imp in imports_of(path, ROOT):
-            if imp.top == "proto" or imp.top in allowed_third_party or imp.top in sys.stdlib_module_names:
+            if imp.top == ours("proto") or imp.top in allowed_third_party or imp.top in sys.stdlib_module_names:
                 continue
             if imp.module == "google.protobuf" or imp.module.startswith("google.protobuf."):
                 continue
             bad.append(imp.where(ROOT))
-    assert not bad, "proto/ may import only google.protobuf, grpc and proto.*:\n" + "\n".join(bad)
+    assert not bad, "proto/ may import only google.protobuf, grpc and pdserve.proto.*:\n" + "\n".join(bad)
 
 
 def test_engine_does_not_import_ray_or_role_packages() -> None:
-    bad = forbidden_imports("engine", {"ray", "prefill_worker", "decode_worker", "router", "cluster"})
+    bad = forbidden_imports("engine", {"ray", *map(ours, ("prefill_worker", "decode_worker", "router", "cluster"))})
     assert not bad, "engine/ is the shared core (DESIGN.md §2):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize(("package", "other"), [("prefill_worker", "decode_worker"),
                                                 ("decode_worker", "prefill_worker")])
 def test_roles_do_not_import_each_other(package: str, other: str) -> None:
-    bad = forbidden_imports(package, {other})
+    bad = forbidden_imports(package, {ours(other)})
     assert not bad, f"{package}/ must not import {other}/; move shared code to engine/:\n" + "\n".join(bad)
 
 
@@ -174,7 +210,7 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 def test_closure_follows_function_level_relative_and_submodule_imports(tmp_path: Path) -> None:
     write_tree(tmp_path, {
         "router/__init__.py": "",
-        "router/server.py": "import grpc\n\ndef serve():\n    from engine import helpers\n",
+        "router/server.py": "import grpc\n\ndef serve():\n    from pdserve.engine import helpers\n",
         "engine/__init__.py": "",
         "engine/helpers.py": "from . import deep\n",
         "engine/deep.py": "import os\nif os.name:\n    import torch.nn as nn\n",
@@ -188,10 +224,35 @@ def test_closure_follows_function_level_relative_and_submodule_imports(tmp_path:
 def test_package_init_files_are_part_of_the_closure(tmp_path: Path) -> None:
     write_tree(tmp_path, {
         "router/__init__.py": "",
-        "router/a.py": "import engine.clean\n",
+        "router/a.py": "import pdserve.engine.clean\n",
         "engine/__init__.py": "from .clean import VALUE\nimport ray\n",
         "engine/clean.py": "VALUE = 1\n",
     })
     bad = transitive_violations("router", {"ray"}, root=tmp_path)
     assert bad == ["engine/__init__.py:2 imports ray (reached via engine/__init__.py <- router/a.py)"]
     assert forbidden_imports("engine", {"ray"}, root=tmp_path) == ["engine/__init__.py:2 imports ray"]
+
+
+def test_rules_match_namespaced_imports_and_flag_bare_ones(tmp_path: Path) -> None:
+    write_tree(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/kv/__init__.py": "",
+        "engine/kv/codec.py": "from ..config import X\nfrom pdserve.router import server\nimport engine.config\n",
+        "engine/config.py": "X = 1\n",
+        "router/__init__.py": "",
+        "router/server.py": "import router\nimport pdserve.engine.kv.codec\n",
+        "prefill_worker/__init__.py": "",
+        "prefill_worker/w.py": "from pdserve import decode_worker\nimport decode_worker_helpers\n",
+    })
+    codec = tmp_path / "engine" / "kv" / "codec.py"
+    assert module_of(codec, tmp_path) == "pdserve.engine.kv.codec"
+    assert [i.module for i in imports_of(codec, tmp_path)] == ["pdserve.engine.config", "pdserve.router",
+                                                               "engine.config"]
+    assert forbidden_imports("engine", {ours("router")}, root=tmp_path) == [
+        "engine/kv/codec.py:2 imports pdserve.router"]
+    assert forbidden_imports("prefill_worker", {ours("decode_worker")}, root=tmp_path) == [
+        "prefill_worker/w.py:1 imports pdserve.decode_worker"]
+    assert bare_imports(sorted(tmp_path.rglob("*.py")), tmp_path) == [
+        "engine/kv/codec.py:3 imports engine.config", "router/server.py:1 imports router"]
+    parent = closure([tmp_path / "router" / "server.py"], tmp_path)
+    assert codec in parent and tmp_path / "engine" / "config.py" in parent

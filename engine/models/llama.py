@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from pdserve.engine.config import ModelConfig
 
 
 @dataclass

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
-from engine.models.embedded import resolve_embedded
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.embedded import resolve_embedded
 
 _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.metrics import SLO, RequestRecord, percentile, run_duration, stats, summarize
+from pdserve.bench.metrics import SLO, RequestRecord, percentile, run_duration, stats, summarize
 
 
 def rec(tokens, sent=0.0, *, finish="stop", error="", prompt=10, index=0, **kw) -> RequestRecord:
@@ -214,7 +214,7 @@ def test_to_json_round_trip_has_no_nan_tokens():
 
 
 def test_summary_json_safe():
-    from bench.metrics import json_safe
+    from pdserve.bench.metrics import json_safe
 
     s = summarize([rec([], finish="error", error="x")], slo=SLO(1, 1))
     text = json.dumps(json_safe(s), allow_nan=False)
@@ -222,6 +222,6 @@ def test_summary_json_safe():
 
 
 def test_bench_never_imports_torch_or_ray():
-    code = ("import sys, bench.metrics, bench.plots; "
+    code = ("import sys, pdserve.bench.metrics, pdserve.bench.plots; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))

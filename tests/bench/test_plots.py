@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.metrics import SLO, RequestRecord, summarize
-from bench.plots import plot_breakdown, plot_cdfs, plot_vs_rate, write_all
+from pdserve.bench.metrics import SLO, RequestRecord, summarize
+from pdserve.bench.plots import plot_breakdown, plot_cdfs, plot_vs_rate, write_all
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SLO_ = SLO(ttft_s=0.25, tpot_s=0.03)

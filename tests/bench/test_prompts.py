@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.prompts import PROMPT_SETS, PromptPool, load_prompts
-from engine.tokenizer import Tokenizer
+from pdserve.bench.prompts import PROMPT_SETS, PromptPool, load_prompts
+from pdserve.engine.text.tokenizer import Tokenizer
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
 CJK = re.compile(r"[\u4e00-\u9fff]")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.workload import (TRACES, RequestSpec, TraceRow, build_workload, clip_lengths, gamma_arrivals,
+from pdserve.bench.workload import (TRACES, RequestSpec, TraceRow, build_workload, clip_lengths, gamma_arrivals,
                             load_trace, poisson_arrivals, resolve_datasets_dir, sample_lengths, scale_to_rate,
                             window)
 
@@ -258,8 +258,8 @@ def test_sample_lengths(conv):
 
 @pytest.fixture(scope="module")
 def pool(datasets_dir, embedded_dir):
-    from bench.prompts import PromptPool, load_prompts
-    from engine.tokenizer import Tokenizer
+    from pdserve.bench.prompts import PromptPool, load_prompts
+    from pdserve.engine.text.tokenizer import Tokenizer
 
     return PromptPool(load_prompts(["sharegpt", "belle-zh"], datasets_dir), Tokenizer.from_folder(embedded_dir), 0)
 
@@ -301,17 +301,17 @@ def test_build_workload_rejects(pool):
 def test_workload_module_imports_neither_torch_nor_ray():
     import subprocess
 
-    code = ("import sys, bench.workload, bench.prompts; "
+    code = ("import sys, pdserve.bench.workload, pdserve.bench.prompts; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_datasets_found_from_the_working_directory(tmp_path, monkeypatch):
     """An installed package run from a checkout finds ../shared/datasets or ./shared/datasets."""
-    import bench.workload as workload
+    import pdserve.bench.workload as workload
 
     monkeypatch.delenv("PDSERVE_DATASETS", raising=False)
-    monkeypatch.setattr(workload, "__file__", str(tmp_path / "venv" / "lib" / "site-packages" / "bench" / "workload.py"))
+    monkeypatch.setattr(workload, "__file__", str(tmp_path / "venv" / "lib" / "site-packages" / "pdserve" / "bench" / "workload.py"))
     (tmp_path / "shared" / "datasets").mkdir(parents=True)
     checkout = tmp_path / "pdserve"
     checkout.mkdir()

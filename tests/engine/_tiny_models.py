@@ -80,7 +80,7 @@ def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor
     The decode value comes from a prefill of ``prompt[:-1]`` into deliberately scattered, reversed KV
     blocks followed by one paged decode step of the last token.
     """
-    from engine.models.llama import AttentionMetadata
+    from pdserve.engine.models.llama import AttentionMetadata
 
     runner = engine.runner
     model, cache, bs = runner.model, runner.kv_cache, engine.cfg.block_size

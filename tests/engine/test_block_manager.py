@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.sequence import Sequence
 
 
 def make_seq(request_id: str = "r0") -> Sequence:

@@ -1,12 +1,12 @@
-"""Tests for engine.detokenizer: streaming equals one-shot decode, stop strings."""
+"""Tests for pdserve.engine.text.detokenizer: streaming equals one-shot decode, stop strings."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer, TokenizerError
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
+from pdserve.engine.text.tokenizer import Tokenizer, TokenizerError
 from tests.engine._tokenizers import (  # noqa: F401  (pytest fixtures)
     SAMPLE_TEXTS,
     any_dir,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models import embedded
-from engine.models.embedded import (
+from pdserve.engine.models import embedded
+from pdserve.engine.models.embedded import (
     DEFAULT_PRESET,
     PRESETS,
     embedded_model_dir,
@@ -88,7 +88,7 @@ def test_folder_layout_and_config(tiny_dir):
 def test_build_is_deterministic_across_processes(tiny_dir, tmp_path):
     # Second build in a fresh process with single-threaded torch/rayon.
     env = dict(os.environ, RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    code = "import sys; from engine.models.embedded import embedded_model_dir as f; print(f('tiny', sys.argv[1]))"
+    code = "import sys; from pdserve.engine.models.embedded import embedded_model_dir as f; print(f('tiny', sys.argv[1]))"
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], env=env, check=True, capture_output=True, text=True
     )
@@ -221,7 +221,7 @@ RACE_CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from engine.models import embedded
+    from pdserve.engine.models import embedded
     cache, go = sys.argv[1], Path(sys.argv[2])
     real = embedded.build_model_folder
     def traced(*a, **k):

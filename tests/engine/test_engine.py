@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine, KvCacheFullError
-from engine.kv_codec import pack_kv, unpack_kv
-from engine.params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine, KvCacheFullError
+from pdserve.engine.kv.codec import pack_kv, unpack_kv
+from pdserve.engine.params import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)  # same length as the pipeline tests: reference reused
@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)  # same length as the pi
 
 @pytest.fixture(scope="module")
 def prompts(embedded_dir):
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(embedded_dir)
     return [tok.encode(p) for p in mixed_prompts()]

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 
-from engine.kv_codec import (
+from pdserve.engine.kv.codec import (
     FORMAT_VERSION,
     FrameAssembler,
     KvCodecError,

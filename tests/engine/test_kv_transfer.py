@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from engine.kv_codec import KvCodecError, KvLimits, KvPayload, ModelFingerprint, pack_kv, unpack_kv
-from engine.kv_transfer import InProcessKvTransfer, KvReceiver, KvSender, KvTransferError
+from pdserve.engine.kv.codec import KvCodecError, KvLimits, KvPayload, ModelFingerprint, pack_kv, unpack_kv
+from pdserve.engine.kv.transfer import InProcessKvTransfer, KvReceiver, KvSender, KvTransferError
 
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 16, "bfloat16", 16, "ff" * 32)
 

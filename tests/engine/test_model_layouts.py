@@ -26,9 +26,9 @@ pytestmark = pytest.mark.skipif(
 
 transformers = pytest.importorskip("transformers")
 
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.params import SamplingParams  # noqa: E402
+from pdserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.params import SamplingParams  # noqa: E402
 
 MAX_TOKENS = 20
 PROMPT_LENS = (1, 11, 130)  # 130 > 64, the original context of the scaled-RoPE cases

@@ -9,8 +9,8 @@ import msgpack
 import pytest
 import torch
 
-from engine.params import SamplingParams, sampling_errors, step_seed
-from engine.sampling import sample
+from pdserve.engine.params import SamplingParams, sampling_errors, step_seed
+from pdserve.engine.sampling import sample
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.params import SamplingParams
-from engine.scheduler import Batch, Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.scheduler import Batch, Scheduler
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 NEXT_TOKEN = 7
 

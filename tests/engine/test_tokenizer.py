@@ -1,4 +1,4 @@
-"""Tests for engine.tokenizer: parity with transformers.AutoTokenizer."""
+"""Tests for pdserve.engine.text.tokenizer: parity with transformers.AutoTokenizer."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from engine.tokenizer import Tokenizer, TokenizerError
+from pdserve.engine.text.tokenizer import Tokenizer, TokenizerError
 from tests.engine._tokenizers import (  # noqa: F401  (pytest fixtures)
     REPO,
     SAMPLE_TEXTS,
@@ -207,8 +207,8 @@ def test_bad_inputs_raise(bytelevel_dir):
 def test_modules_do_not_import_torch_or_transformers(bytelevel_dir):
     code = textwrap.dedent(f"""
         import sys
-        from engine.tokenizer import Tokenizer
-        from engine.detokenizer import IncrementalDetokenizer
+        from pdserve.engine.text.tokenizer import Tokenizer
+        from pdserve.engine.text.detokenizer import IncrementalDetokenizer
         tok = Tokenizer.from_folder({str(bytelevel_dir)!r})
         det = IncrementalDetokenizer(tok, stop=["zzz"])
         det.add(tok.encode("Hello 你好 😀"))

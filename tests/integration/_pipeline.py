@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
 
 
 @dataclass
@@ -40,11 +40,11 @@ class Pipeline:
 @asynccontextmanager
 async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
                          block_size: int = 16, **engine_kw):
-    import decode_worker.colocated as colocated
-    import decode_worker.worker as decode
-    import prefill_worker.worker as prefill
-    import router.server as router
-    from engine.config import EngineConfig
+    import pdserve.decode_worker.colocated as colocated
+    import pdserve.decode_worker.worker as decode
+    import pdserve.prefill_worker.worker as prefill
+    import pdserve.router.server as router
+    from pdserve.engine.config import EngineConfig
 
     cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, **engine_kw)
     if placement == "split":

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from bench.metrics import RequestRecord
-from bench.workload import dataset_file, load_trace, window
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workload import dataset_file, load_trace, window
 from tests.integration._pipeline import local_pipeline
 
-PDSERVE = [sys.executable, "-m", "cluster.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
 RECORD_FIELDS = {"index", "request_id", "scheduled_s", "sent_s", "prompt_tokens", "max_tokens", "token_times_s",
                  "finish_reason", "error", "queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s",
                  "e2e_s", "itl_s", "output_tokens", "ok"}
@@ -63,8 +63,8 @@ async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placemen
 
 async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
     """A hard duration bound cancels in-flight requests, keeps their partial records, frees blocks."""
-    from bench.runner import run_load
-    from bench.workload import RequestSpec
+    from pdserve.bench.runner import run_load
+    from pdserve.bench.workload import RequestSpec
 
     specs = [RequestSpec(i, 0.05 * i, (5, 6, 7) * 10, 1500, "synthetic") for i in range(4)]
     specs.append(RequestSpec(4, 60.0, (5,), 3, "synthetic"))  # due long after the bound: never sent

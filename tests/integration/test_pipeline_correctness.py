@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from router.client import Client, make_request
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.router.client import Client, make_request
 from tests.conftest import STORIES_REFERENCES, hf_greedy, mixed_prompts
 from tests.integration._pipeline import local_pipeline
 

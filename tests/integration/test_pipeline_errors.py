@@ -9,9 +9,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.kv_codec import KvPayload, ModelFingerprint, pack_kv
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.client import Client, make_request
+from pdserve.engine.kv.codec import KvPayload, ModelFingerprint, pack_kv
+from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.router.client import Client, make_request
 from tests.integration._pipeline import local_pipeline
 
 BAD_REQUESTS = [
@@ -161,7 +161,7 @@ async def test_decode_refuses_bad_kv_and_times_out(embedded_dir):
 
 async def test_kv_push_is_chunked(stories_dir, monkeypatch):
     """A long prompt's KV crosses as several messages of <= chunk_bytes (gRPC's 4 MiB limit is never hit)."""
-    import prefill_worker.kv_sender as kv_sender
+    import pdserve.prefill_worker.kv_sender as kv_sender
 
     chunks: list[int] = []
     real = kv_sender.iter_chunks

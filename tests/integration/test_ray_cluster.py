@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from router.client import Client, make_request
+from pdserve.router.client import Client, make_request
 from tests.conftest import STORIES_REFERENCES, hf_greedy, mixed_prompts
 
 ray = pytest.importorskip("ray")
@@ -15,9 +15,9 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def split_cluster(request):
-    from cluster.config import ClusterConfig
-    from cluster.launch import start_cluster
-    from engine.config import EngineConfig
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.launch import start_cluster
+    from pdserve.engine.config import EngineConfig
     from tests.conftest import STORIES
 
     model = STORIES if (STORIES / "model.safetensors").is_file() else "embedded"
@@ -29,7 +29,7 @@ def split_cluster(request):
 
 
 async def _used_blocks(cluster) -> int:
-    from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
 
     total = 0
     for address in cluster.workers:
@@ -52,7 +52,7 @@ def test_split_cluster_on_ray(split_cluster):
             prompts = mixed_prompts()
             results = await asyncio.gather(*[client.generate(make_request(p, max_tokens=16, temperature=0))
                                              for p in prompts])
-            from engine.tokenizer import Tokenizer
+            from pdserve.engine.text.tokenizer import Tokenizer
 
             tok = Tokenizer.from_folder(model_dir)
             for p, res in zip(prompts, results):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import KV_DTYPES, EngineConfig
+from pdserve.engine.config import KV_DTYPES, EngineConfig
 
 
 def positive_int(text: str) -> int:

@@ -1,4 +1,4 @@
-"""Shared ``python -m <role>`` entry point: serve one worker until Ctrl-C."""
+"""Shared ``python -m pdserve.<role>`` entry point: serve one worker until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import signal
 def run_worker(description: str, serve) -> None:
     """Parse engine flags + --host/--port, ``await serve(cfg, host, port)``, print the address,
     wait for SIGINT/SIGTERM and stop cleanly."""
-    from engine.cli_args import add_engine_args, engine_config_from_args
+    from pdserve.engine.host.cli_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser(description=description)
     add_engine_args(parser)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.sequence import Sequence
+from pdserve.engine.scheduling.sequence import Sequence
 
 
 class BlockManager:

@@ -8,7 +8,7 @@ import queue
 import threading
 from typing import Callable, TypeVar
 
-from engine.engine import Engine, StepError, StepOutput
+from pdserve.engine.engine import Engine, StepError, StepOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

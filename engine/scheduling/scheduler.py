@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

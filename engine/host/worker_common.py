@@ -9,12 +9,12 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from engine.engine import Engine, StepError, StepOutput
-from engine.loop import EngineLoop
-from engine.serving import RequestStreams, drain
-from engine.params import SamplingParams
-from engine.sequence import FinishReason, Sequence
-from proto.pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.engine.engine import Engine, StepError, StepOutput
+from pdserve.engine.host.loop import EngineLoop
+from pdserve.engine.host.serving import RequestStreams, drain
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence
+from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -174,7 +174,7 @@ async def serve_worker(worker, add_role_servicer, role_service: str, host: str, 
 
     ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes.
     """
-    from engine.serving import start_server
+    from pdserve.engine.host.serving import start_server
 
     worker.host.start()
     stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)

@@ -17,7 +17,7 @@ import re
 import weakref
 from typing import Sequence
 
-from engine.tokenizer import Tokenizer, TokenizerError, _checked
+from pdserve.engine.text.tokenizer import Tokenizer, TokenizerError, _checked
 
 __all__ = ["IncrementalDetokenizer"]
 

@@ -1,17 +1,17 @@
 """The seam between prefill and decode: how a packed KV frame reaches a decode worker.
 
 A prefill worker holds a :class:`KvSender`; a decode worker implements
-:class:`KvReceiver`.  Frames are produced by :func:`engine.kv_codec.pack_kv`.
+:class:`KvReceiver`.  Frames are produced by :func:`pdserve.engine.kv.codec.pack_kv`.
 :class:`InProcessKvTransfer` is the in-process implementation used in tests and
 single-process setups; it chunks and reassembles frames exactly like the
-network path so the same :class:`~engine.kv_codec.KvLimits` apply.
+network path so the same :class:`~pdserve.engine.kv.codec.KvLimits` apply.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from engine.kv_codec import FrameAssembler, KvCodecError, KvLimits, iter_chunks
+from pdserve.engine.kv.codec import FrameAssembler, KvCodecError, KvLimits, iter_chunks
 
 
 class KvTransferError(RuntimeError):

@@ -1,0 +1,1 @@
+"""The worker host: serves one engine over gRPC (loop thread, servicer plumbing, entry point)."""

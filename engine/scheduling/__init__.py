@@ -1,0 +1,1 @@
+"""Continuous-batching scheduling: sequences, the paged-KV block manager and the scheduler."""

@@ -1,0 +1,1 @@
+"""Tokenization and incremental detokenization."""
