@@ -30,6 +30,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None = None  # each query attends to at most this many latest positions (Mistral, Qwen2)
+    torch_dtype: str = "float32"  # the checkpoint's dtype (config.json ``dtype`` / ``torch_dtype``)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -84,7 +85,14 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             sliding_window=_sliding_window(cfg, arch),
+            torch_dtype=_checkpoint_dtype(cfg),
         )
+
+
+def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
+    """The checkpoint's dtype name; float32 when unset or not one pdserve runs (transformers' default)."""
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
+    return name if name in KV_DTYPES else "float32"
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
@@ -112,15 +120,16 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     torch_threads: int | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.dtype not in KV_DTYPES:
-            raise ValueError(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -69,7 +69,8 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or max_pos, max_pos)
         mc = self.model_cfg
         self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            cfg.dtype, cfg.block_size, self.tokenizer.content_hash)
+                                            self.runner.dtype_name, cfg.block_size,
+                                            self.tokenizer.content_hash)
 
     # -- requests -------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:

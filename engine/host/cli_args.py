@@ -59,7 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096,
                         help="max tokens per prefill batch")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
-    parser.add_argument("--dtype", default="float32", choices=list(KV_DTYPES))
+    parser.add_argument("--dtype", default="auto", choices=["auto", *KV_DTYPES],
+                        help="auto: the checkpoint's dtype, but bfloat16 for a float32 checkpoint where the "
+                             "hardware has native bfloat16 matmul; float32 keeps the exact path")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="default: cuda when there is a GPU per worker, else cpu")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")

@@ -2,7 +2,7 @@
 
 Math follows the Hugging Face ``transformers`` Llama implementation so that greedy output is
 token-identical to ``generate()`` in float32: RMSNorm in float32, rotate-half RoPE, grouped-query
-attention via repeated KV heads, SwiGLU MLP.
+attention, SwiGLU MLP. Attention itself is a backend (``pdserve.engine.models.attention``).
 """
 
 from __future__ import annotations
@@ -14,24 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step attention inputs (all int64 on the model's device).
-
-    slot_mapping: [num_tokens] KV cache slot written by each input token.
-    Prefill: ``cu_seqlens`` [num_seqs + 1] offsets of each sequence in the packed input; every
-    sequence starts at position 0, so attention reads the fresh K/V, not the cache.
-    Decode: ``block_tables`` [num_seqs, max_blocks] (padded with 0) and ``context_lens`` [num_seqs],
-    the number of KV positions to attend to, the new token included.
-    """
-
-    is_prefill: bool
-    slot_mapping: torch.Tensor
-    cu_seqlens: list[int] | None = None
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
+from pdserve.engine.models.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.models.linear import Linear, fuse_rows, make_linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -70,16 +54,52 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LlamaModel:
-    """Weights plus the forward pass. ``weights`` uses the Hugging Face tensor names."""
+@dataclass
+class DecoderLayer:
+    """One layer's weights, fused and laid out for the device: q|k|v and gate|up are one GEMM each."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class LlamaModel:
+    """Weights plus the forward pass.
+
+    ``weights`` uses the Hugging Face tensor names; they are fused and packed once here (see
+    ``pdserve.engine.models.linear``) and the originals are not kept. ``attention`` is the backend chosen at
+    start (``pdserve.engine.models.attention.select_backend``).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend) -> None:
         self.cfg = cfg
-        self.w = weights
-        device = weights["model.embed_tokens.weight"].device
-        self.inv_freq = rope_inv_freq(cfg).to(device)
-        self.lm_head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.scale = cfg.head_dim ** -0.5
+        self.attention = attention
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]
+        self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
+        self.norm = w["model.norm.weight"]
+        self.lm_head = make_linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            qkv_sizes = (q_rows, kv_rows, kv_rows)
+            mlp_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+            self.layers.append(DecoderLayer(
+                input_norm=w[p + "input_layernorm.weight"],
+                qkv=make_linear(fuse_rows(*(w[a + f"{x}_proj.weight"] for x in "qkv"), sizes=qkv_sizes),
+                                fuse_rows(*(w.get(a + f"{x}_proj.bias") for x in "qkv"), sizes=qkv_sizes)),
+                o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
+                post_norm=w[p + "post_attention_layernorm.weight"],
+                gate_up=make_linear(fuse_rows(w[m + "gate_proj.weight"], w[m + "up_proj.weight"], sizes=mlp_sizes),
+                                    fuse_rows(w.get(m + "gate_proj.bias"), w.get(m + "up_proj.bias"),
+                                              sizes=mlp_sizes)),
+                down=make_linear(w[m + "down_proj.weight"], w.get(m + "down_proj.bias")),
+            ))
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -95,70 +115,36 @@ class LlamaModel:
         num_kv_heads, head_dim], written in place at ``meta.slot_mapping``.
         Returns the final hidden states after the last norm, [num_tokens, hidden_size].
         """
-        cfg, w = self.cfg, self.w
-        h = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        cfg = self.cfg
+        eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+        h = F.embedding(input_ids, self.embed)
         cos, sin = self._rope(positions, h.dtype)
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._attention(x, p + "self_attn.", cos, sin, meta, kv_cache[i])
-            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = F.linear(x, w[p + "mlp.gate_proj.weight"], w.get(p + "mlp.gate_proj.bias"))
-            up = F.linear(x, w[p + "mlp.up_proj.weight"], w.get(p + "mlp.up_proj.bias"))
-            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
-        return rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
+        for layer, cache in zip(self.layers, kv_cache):
+            x = rms_norm(h, layer.input_norm, eps)
+            h = h + layer.o(self._attention(layer.qkv(x), cos, sin, meta, cache))
+            x = rms_norm(h, layer.post_norm, eps)
+            gate_up = layer.gate_up(x)
+            h = h + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return rms_norm(h, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] logits."""
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
-    def _prefill_mask(self, n: int, device) -> torch.Tensor | None:
-        """None (plain causal) unless a sliding window is shorter than ``n``; then a bool [n, n] mask
-        where query i sees key j iff j <= i and i - j < window (transformers' sliding-window rule)."""
-        window = self.cfg.sliding_window
-        if window is None or n <= window:
-            return None
-        i = torch.arange(n, device=device)[:, None]
-        j = torch.arange(n, device=device)[None, :]
-        return (j <= i) & (i - j < window)
+    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   cache: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] -> [T, num_heads * head_dim].
 
-    def _attention(self, x, p, cos, sin, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        cfg, w = self.cfg, self.w
-        T = x.shape[0]
-        q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(T, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(T, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # cache: [2, num_blocks, block_size, kv_heads, head_dim]; write K/V at their slots
-        flat = cache.view(2, -1, cfg.num_kv_heads, cfg.head_dim)
-        flat[0].index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
-        flat[1].index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
-        groups = cfg.num_heads // cfg.num_kv_heads
+        cache: this layer's [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        cfg = self.cfg
+        T, H, Hkv, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
+        qk = qk * cos + rotate_half(qk) * sin          # RoPE on q and k at once: [T, H + Hkv, D]
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+        flat = cache.view(2, -1, Hkv, D)                # [2, num_slots, Hkv, D]
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
         if meta.is_prefill:
-            out = torch.empty_like(q)
-            bounds = meta.cu_seqlens
-            for s in range(len(bounds) - 1):
-                a, b = bounds[s], bounds[s + 1]
-                # 4-D [1, H, n, D]: SDPA's fused CPU kernel; 3-D inputs take a ~10x slower path
-                qs = q[a:b].transpose(0, 1)[None]
-                ks = k[a:b].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-                vs = v[a:b].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-                mask = self._prefill_mask(b - a, q.device)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
-                                                   scale=self.scale)
-                out[a:b] = o[0].transpose(0, 1)
-        else:
-            keys = cache[0][meta.block_tables].flatten(1, 2).to(q.dtype)   # [B, L, kv_heads, D]
-            vals = cache[1][meta.block_tables].flatten(1, 2).to(q.dtype)
-            keys = keys.transpose(1, 2).repeat_interleave(groups, dim=1)    # [B, H, L, D]
-            vals = vals.transpose(1, 2).repeat_interleave(groups, dim=1)
-            L = keys.shape[2]
-            pos = torch.arange(L, device=q.device)[None, :]
-            mask = pos < meta.context_lens[:, None]  # [B, L]
-            if cfg.sliding_window is not None:
-                mask &= pos >= meta.context_lens[:, None] - cfg.sliding_window
-            o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals,
-                                               attn_mask=mask[:, None, None, :], scale=self.scale)
-            out = o[:, :, 0, :]
-        return F.linear(out.reshape(T, -1), w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+            return self.attention.prefill(q, k, v, meta)
+        return self.attention.decode(q, cache[0], cache[1], meta)

@@ -80,7 +80,7 @@ def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor
     The decode value comes from a prefill of ``prompt[:-1]`` into deliberately scattered, reversed KV
     blocks followed by one paged decode step of the last token.
     """
-    from pdserve.engine.models.llama import AttentionMetadata
+    from pdserve.engine.models.attention import AttentionMetadata
 
     runner = engine.runner
     model, cache, bs = runner.model, runner.kv_cache, engine.cfg.block_size
@@ -98,8 +98,8 @@ def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor
     if n > 1:
         meta = AttentionMetadata(True, slots[:-1], cu_seqlens=[0, n - 1])
         model.forward(ids[:-1], pos[:-1], meta, cache)
-        meta = AttentionMetadata(False, slots[-1:], block_tables=table[None, :],
-                                 context_lens=torch.tensor([n]))
+        meta = AttentionMetadata(False, slots[-1:], block_tables=table[None, :].to(torch.int32),
+                                 context_lens=torch.tensor([n], dtype=torch.int32))
         decode = model.compute_logits(model.forward(ids[-1:], pos[-1:], meta, cache))[0].float()
     cache.zero_()
     return prefill, decode

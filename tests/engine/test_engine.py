@@ -22,7 +22,7 @@ def prompts(embedded_dir):
 
 
 def test_batched_greedy_equals_alone_and_reference(embedded_dir, prompts):
-    engine = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=512))
+    engine = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=512))
     batched = engine.generate(prompts, GREEDY)
     for p, out in zip(prompts, batched):
         assert engine.generate([p], GREEDY)[0] == out
@@ -32,7 +32,7 @@ def test_batched_greedy_equals_alone_and_reference(embedded_dir, prompts):
 
 def test_preemption_recomputes_identically(embedded_dir, prompts):
     """A cache too small for every sequence at once forces preemption; tokens must not change."""
-    small = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=40, block_size=8))
+    small = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=40, block_size=8))
     params = SamplingParams(temperature=0.0, max_tokens=60)
     picked = prompts[:6]
     need = sum(small.blocks.blocks_for(len(p) + 60) for p in picked)
@@ -47,7 +47,7 @@ def test_preemption_recomputes_identically(embedded_dir, prompts):
     small.scheduler._preempt = spy
     outs = small.generate(picked, params)
     assert preempted, "no preemption happened; the test proves nothing"
-    big = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=1024, block_size=8))
+    big = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=1024, block_size=8))
     assert outs == big.generate(picked, params)
     assert small.blocks.num_used == 0
 
@@ -74,7 +74,7 @@ def test_kv_handoff_between_engines_equals_single_engine(embedded_dir, prompts):
 
 
 def test_request_checks_and_cache_full(embedded_dir, prompts):
-    engine = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=8, block_size=4, max_model_len=64))
+    engine = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("a", [], GREEDY)
     with pytest.raises(ValueError, match="out of range"):
@@ -83,7 +83,7 @@ def test_request_checks_and_cache_full(embedded_dir, prompts):
         engine.add_request("c", [5] * 50, GREEDY)
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("d", [5] * 30, SamplingParams(temperature=0, max_tokens=30))
-    donor = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=64, block_size=4))
+    donor = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=64, block_size=4))
     donor.add_request("e", [5] * 20, SamplingParams(temperature=0, max_tokens=5))
     payload = donor.extract_kv(donor.step()[0].seq)
     engine.admit_kv(payload)  # takes 6 of 8 blocks

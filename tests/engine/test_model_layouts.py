@@ -105,7 +105,7 @@ class Case:
 
 def make_engine(folder: Path, block_size: int) -> Engine:
     num_blocks = -(-600 // block_size) + 8
-    return Engine(EngineConfig(model=str(folder), num_kv_blocks=num_blocks, block_size=block_size))
+    return Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=num_blocks, block_size=block_size))
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_unsupported_architecture(cases, tmp_path):
     folder = _copy(cases, tmp_path)
     edit_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        Engine(EngineConfig(model=str(folder), num_kv_blocks=8))
+        Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
 def test_missing_safetensors(cases, tmp_path):
@@ -235,7 +235,7 @@ def test_missing_safetensors(cases, tmp_path):
     for f in folder.glob("*.safetensors"):
         f.unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        Engine(EngineConfig(model=str(folder), num_kv_blocks=8))
+        Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
 @pytest.mark.parametrize("name, tensor", [
@@ -247,7 +247,7 @@ def test_missing_tensor(cases, tmp_path, name, tensor):
     folder = _copy(cases, tmp_path, name)
     drop_tensor(folder, tensor)
     with pytest.raises(KeyError, match=tensor.replace(".", r"\.")):
-        Engine(EngineConfig(model=str(folder), num_kv_blocks=8))
+        Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
 @pytest.mark.parametrize("changes, kind", [
@@ -259,7 +259,7 @@ def test_unsupported_rope_type(cases, tmp_path, changes, kind):
     folder = _copy(cases, tmp_path)
     edit_config(folder, **changes)
     with pytest.raises(ValueError, match=kind):
-        Engine(EngineConfig(model=str(folder), num_kv_blocks=8))
+        Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
 def test_unsupported_activation(cases, tmp_path):
@@ -267,7 +267,7 @@ def test_unsupported_activation(cases, tmp_path):
     folder = _copy(cases, tmp_path)
     edit_config(folder, hidden_act="gelu")
     with pytest.raises(ValueError, match="gelu"):
-        Engine(EngineConfig(model=str(folder), num_kv_blocks=8))
+        Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
 def test_mistral_sliding_window(tmp_path):

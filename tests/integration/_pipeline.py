@@ -39,14 +39,16 @@ class Pipeline:
 
 @asynccontextmanager
 async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
-                         block_size: int = 16, **engine_kw):
+                         block_size: int = 16, dtype: str = "float32", **engine_kw):
+    """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need."""
     import pdserve.decode_worker.colocated as colocated
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
     import pdserve.router.server as router
     from pdserve.engine.config import EngineConfig
 
-    cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, **engine_kw)
+    cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype,
+                       **engine_kw)
     if placement == "split":
         workers = list(await asyncio.gather(prefill.serve(cfg), decode.serve(cfg)))
         r = await router.serve(model, prefill=[workers[0].address], decode=[workers[1].address])

@@ -21,7 +21,7 @@ def split_cluster(request):
     from tests.conftest import STORIES
 
     model = STORIES if (STORIES / "model.safetensors").is_file() else "embedded"
-    cluster = start_cluster(ClusterConfig(engine=EngineConfig(model=str(model), num_kv_blocks=512),
+    cluster = start_cluster(ClusterConfig(engine=EngineConfig(model=str(model), dtype="float32", num_kv_blocks=512),
                                           placement="split", router_port=0))
     yield cluster
     cluster.stop()

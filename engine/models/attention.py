@@ -1,0 +1,164 @@
+"""Attention backends over the paged KV cache, chosen once when the model runner starts.
+
+Every backend runs prefill the same way: the fresh K/V of each sequence in the packed batch go to
+SDPA's fused kernel, one call per sequence. No padding is computed; a single call over the packed
+batch with a block-diagonal (document) mask would do ``num_seqs`` times the attention work on CPU,
+where SDPA has no variable-length kernel. Backends differ in decode:
+
+* ``CpuPagedAttention``: a C++ kernel (``csrc/paged_attention.cpp``) reads each sequence's K/V in
+  place through its block table, so a step costs the sum of the context lengths.
+* ``TorchAttention``: gathers every sequence's blocks into a batch padded to the longest block
+  table and runs masked SDPA. It runs on any device and is the reference the tests hold the
+  other backends to.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.models.kernels import DECODE_SYMBOLS, KernelUnavailable, load_cpu_kernels
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, on the model's device.
+
+    slot_mapping: [num_tokens] int64, the KV cache slot each input token writes.
+    Prefill: ``cu_seqlens`` (host list, num_seqs + 1 offsets into the packed batch); every
+    sequence starts at position 0, so attention reads the fresh K/V, not the cache.
+    Decode: ``block_tables`` [num_seqs, max_blocks] int32 (rows padded with 0) and
+    ``context_lens`` [num_seqs] int32, the KV positions each query attends to, itself included.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: list[int] | None = None
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+
+
+class AttentionBackend(Protocol):
+    """Prefill and decode attention for one model shape (``scale`` = head_dim ** -0.5)."""
+
+    name: str
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] (packed,
+        causal per sequence) -> [num_tokens, num_heads * head_dim]."""
+        ...
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """q [num_seqs, num_heads, head_dim] (last dim contiguous), k/v_cache [num_blocks,
+        block_size, num_kv_heads, head_dim] already holding this step's K/V -> [num_seqs,
+        num_heads * head_dim]."""
+        ...
+
+
+class _SdpaPrefill:
+    """Per-sequence causal SDPA with GQA; a sliding window shorter than the sequence adds a mask."""
+
+    def __init__(self, scale: float, sliding_window: int | None) -> None:
+        self.scale, self.window = scale, sliding_window
+
+    def _mask(self, n: int, device: torch.device) -> torch.Tensor | None:
+        """None (plain causal) unless the window is shorter than ``n``; then a bool [n, n] mask where
+        query i sees key j iff j <= i and i - j < window (transformers' sliding-window rule)."""
+        if self.window is None or n <= self.window:
+            return None
+        i = torch.arange(n, device=device)[:, None]
+        j = torch.arange(n, device=device)[None, :]
+        return (j <= i) & (i - j < self.window)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        bounds = meta.cu_seqlens
+        for s in range(len(bounds) - 1):
+            a, b = bounds[s], bounds[s + 1]
+            mask = self._mask(b - a, q.device)
+            # 4-D [1, H, n, D] views take SDPA's fused CPU kernel (3-D inputs take a ~10x slower path)
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                               v[a:b].transpose(0, 1)[None], attn_mask=mask,
+                                               is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            out[a:b] = o[0].transpose(0, 1)
+        return out.flatten(1)
+
+
+class TorchAttention(_SdpaPrefill):
+    """Decode by gathering each sequence's blocks, padded to the longest, then masked SDPA."""
+
+    name = "torch"
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        tables, lens = meta.block_tables.long(), meta.context_lens.long()
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, D]
+        vals = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+        mask = pos < lens[:, None]  # [B, L]
+        if self.window is not None:
+            mask &= pos >= lens[:, None] - self.window
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale, enable_gqa=True)
+        return o[:, :, 0, :].flatten(1)
+
+
+class CpuPagedAttention(_SdpaPrefill):
+    """Decode with the C++ paged kernel (CPU tensors of float32, bfloat16 or float16)."""
+
+    name = "cpu-paged"
+
+    def __init__(self, scale: float, sliding_window: int | None, dtype: torch.dtype) -> None:
+        super().__init__(scale, sliding_window)
+        self._fn = getattr(load_cpu_kernels(), DECODE_SYMBOLS[str(dtype).removeprefix("torch.")])
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        tables, lens = meta.block_tables, meta.context_lens
+        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or q.stride(-1) != 1:
+            raise TypeError("cpu-paged decode needs int32 block_tables/context_lens and a contiguous head_dim")
+        out = torch.empty((num_seqs, num_heads * head_dim), dtype=q.dtype)
+        self._fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                 lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim,
+                 k_cache.shape[1], tables.shape[1], q.stride(0), self.scale, self.window or 0,
+                 torch.get_num_threads())
+        return out
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                   head_dim: int, sliding_window: int | None) -> AttentionBackend:
+    """The backend for ``name``: ``"auto"`` (the C++ paged kernel on CPU when it builds and fits
+    the model's shape, else ``"torch"``), ``"cpu-paged"`` or ``"torch"``.
+
+    Raises ValueError for an unknown name and KernelUnavailable when ``"cpu-paged"`` is asked for
+    but cannot run here. Logs the choice and, for ``"auto"``, why the kernel was not taken.
+    """
+    if name not in ("auto", "cpu-paged", "torch"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu-paged or torch")
+    scale = head_dim ** -0.5
+    if name == "torch":
+        return TorchAttention(scale, sliding_window)
+    try:
+        if device.type != "cpu":
+            raise KernelUnavailable(f"the paged C++ kernel runs on CPU, not {device.type}")
+        lib = load_cpu_kernels()
+        groups = num_heads // num_kv_heads
+        if groups > lib.pdserve_max_groups() or head_dim > lib.pdserve_max_head_dim():
+            raise KernelUnavailable(f"{groups} query heads per KV head / head_dim {head_dim} exceed the kernel's "
+                                    f"{lib.pdserve_max_groups()} / {lib.pdserve_max_head_dim()}")
+        backend = CpuPagedAttention(scale, sliding_window, dtype)
+    except KernelUnavailable as exc:
+        if name == "cpu-paged":
+            raise
+        log.warning("attention backend: torch (%s)", exc)
+        return TorchAttention(scale, sliding_window)
+    log.info("attention backend: %s", backend.name)
+    return backend

@@ -1,0 +1,76 @@
+"""Build, cache and load the C++ CPU kernels in ``csrc/`` (no torch headers, loaded with ctypes).
+
+The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
+and ``-march=native`` into ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``);
+the file name hashes the source, the flags, the compiler and the CPU's feature flags, so an edit, a
+new compiler or another CPU model builds afresh. A build takes about a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pdserve.engine.models.embedded import default_cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_DECODE_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
+DECODE_SYMBOLS = {"float32": "pdserve_paged_decode_f32", "bfloat16": "pdserve_paged_decode_bf16",
+                  "float16": "pdserve_paged_decode_f16"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernels cannot be built or loaded here (no compiler, or the build failed)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(cxx: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{cxx} failed to build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent builder's file is equally good
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_cpu_kernels() -> ctypes.CDLL:
+    """The loaded kernel library, built on first use. Raises KernelUnavailable."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler found ($CXX or g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
+    path = default_cache_dir() / "kernels" / f"paged_attention-{key[:16]}.so"
+    if not path.is_file():
+        _build(cxx, path)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
+    for symbol in DECODE_SYMBOLS.values():
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = _DECODE_ARGS, None
+    return lib

@@ -1,0 +1,76 @@
+"""Linear layers whose weights are laid out once, at load time, for the device's fastest GEMM.
+
+On CPU, oneDNN's packed (blocked) weight format lets ``torch.ops.mkldnn._linear_pointwise`` skip the
+per-call reorder that ``F.linear`` pays; on this project's 2-core x86 machines that measured 1.3-3x
+faster in bfloat16 at 1-32 rows and 2.5x in float32 (``benchmarks/linear_probe.py``). These are the
+ops Inductor's freezing pass emits (``torch/_inductor/fx_passes/mkldnn_fusion.py``). Everywhere
+else, and for dtypes oneDNN cannot pack on this CPU (float16 without AVX512-FP16), the weight stays
+a plain tensor for ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+# oneDNN picks its blocked layout for this many rows; 1-32 rows measured equal, 2048 slower at 32
+PACK_ROWS_HINT = 32
+
+
+class Linear(Protocol):
+    """y = x @ weight.T + bias for x [num_tokens, in_features] -> [num_tokens, out_features]."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class PlainLinear:
+    """``F.linear`` over the weight as loaded."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedLinear:
+    """oneDNN linear over a weight reordered once into its blocked layout (CPU only)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """The fastest linear for ``weight`` [out_features, in_features] on its device and dtype.
+
+    Packing is tried once; a weight oneDNN refuses (wrong device, dtype or CPU) stays plain.
+    """
+    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            return PackedLinear(weight.contiguous(), bias)
+        except RuntimeError:
+            pass
+    return PlainLinear(weight, bias)
+
+
+def fuse_rows(*tensors: torch.Tensor | None, sizes: tuple[int, ...]) -> torch.Tensor | None:
+    """Concatenate weights (or biases) of ``sizes[i]`` output rows along dim 0: [sum(sizes), ...].
+
+    None when every tensor is None; a missing bias beside present ones is zeros.
+    """
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return None
+    ref = present[0]
+    parts = [t if t is not None else ref.new_zeros((n, *ref.shape[1:])) for t, n in zip(tensors, sizes)]
+    return torch.cat(parts, dim=0)
