@@ -1,4 +1,4 @@
-"""The ``pdserve`` command: serve, generate, demo, bench, compare."""
+"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput."""
 
 from __future__ import annotations
 
@@ -102,6 +102,22 @@ def cmd_generate(args) -> int:
     return asyncio.run(run())
 
 
+def cmd_throughput(args) -> int:
+    import json
+
+    from pdserve.engine.host.cli_args import engine_config_from_args
+    from pdserve.engine.throughput import format_result, run_throughput
+
+    result = run_throughput(engine_config_from_args(args), args.num_prompts, args.input_len, args.output_len,
+                            seed=args.seed)
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("throughput", help="offline throughput of one engine (no Ray, no gRPC) beside its "
+                                          "hardware bound")
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--input-len", type=positive_int, default=256, help="random prompt tokens")
+    p.add_argument("--output-len", type=positive_int, default=64, help="greedy tokens per prompt, EOS ignored")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.set_defaults(func=cmd_throughput)
 
     from pdserve.bench.cli import add_bench_parser
     from pdserve.cluster.compare import add_compare_parser

@@ -102,9 +102,9 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
     prompts = [[rng.randrange(mc.vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
     for p in prompts[:1]:
         engine.check_request(p, SamplingParams(max_tokens=output_len))
-    engine.generate([p[:16] for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
-    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"throughput-{i}", p, sampling)
     prefill_s, decode_steps = 0.0, []

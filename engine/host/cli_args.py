@@ -65,6 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="default: cuda when there is a GPU per worker, else cpu")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-paged", "torch"],
+                        help="decode attention: auto = the paged C++ kernel on CPU, else torch (gather + SDPA)")
 
 
 def engine_config_from_args(args: argparse.Namespace, device: str | None = None) -> EngineConfig:
@@ -79,4 +81,4 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
                         num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype, device=device,
-                        torch_threads=args.threads)
+                        torch_threads=args.threads, attention_backend=args.attention_backend)

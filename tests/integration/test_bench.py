@@ -82,11 +82,11 @@ async def test_bench_ctrl_c_writes_partial_results(embedded_dir, datasets, tmp_p
     async with local_pipeline(embedded_dir, "split") as pipe:
         proc = await asyncio.create_subprocess_exec(
             *PDSERVE, "bench", "--router", pipe.address, "--arrival", "poisson", "--num-requests", "200",
-            "--rate", "4", "--length-scale", "10", "--max-output-tokens", "400", "--max-input-tokens", "64",
+            "--rate", "8", "--length-scale", "10", "--max-output-tokens", "1900", "--max-input-tokens", "64",
             "--out", str(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         assert line.startswith(b"sending 200 requests"), line
-        await asyncio.sleep(3)  # several 400-token requests are in flight now
+        await asyncio.sleep(3)  # requests of up to 1,900 tokens sent in the last seconds are in flight
         proc.send_signal(signal.SIGINT)
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         assert await pipe.wait_idle() == 0
