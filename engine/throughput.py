@@ -55,12 +55,16 @@ class ThroughputResult:
         return asdict(self)
 
 
-def _best_time(fn, repeat: int = 5) -> float:
+def _best_time(fn, device: torch.device, repeat: int = 5) -> float:
+    """Fastest of ``repeat`` timed calls (after one warm-up), seconds; waits for the GPU."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     times = []
     for _ in range(repeat):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
 
@@ -69,15 +73,14 @@ def matmul_tflops(rows: int, k: int, n: int, dtype: torch.dtype, device: torch.d
     """TFLOP/s of the engine's linear layer on x [rows, k] @ w [n, k].T."""
     lin = make_linear(torch.randn(n, k, dtype=dtype, device=device))
     x = torch.randn(rows, k, dtype=dtype, device=device)
-    seconds = _best_time(lambda: lin(x), repeat=5 if rows <= 256 else 3)
+    seconds = _best_time(lambda: lin(x), device, repeat=5 if rows <= 256 else 3)
     return 2 * rows * k * n / seconds / 1e12
 
 
 def memory_gbps(device: torch.device, nbytes: int = 1 << 29) -> float:
     """Read bandwidth in GB/s: a float32 sum over ``nbytes`` (far larger than the caches)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = _best_time(lambda: (x.sum(), sync()), repeat=5)
+    seconds = _best_time(lambda: x.sum(), device)
     return nbytes / seconds / 1e9
 
 
