@@ -36,8 +36,8 @@ class ModelRunner:
         self.model_cfg = ModelConfig.from_folder(model_dir)
         self.device = torch.device(cfg.device)
         mc = self.model_cfg
-        self.dtype_name, why = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
-        log.info("dtype %s: %s", self.dtype_name, why)
+        self.dtype_name, self.dtype_reason = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
+        log.info("dtype %s: %s", self.dtype_name, self.dtype_reason)
         self.dtype = getattr(torch, self.dtype_name)
         attention = select_backend(cfg.attention_backend, self.device, self.dtype, mc.num_heads, mc.num_kv_heads,
                                    mc.head_dim, mc.sliding_window)

@@ -31,6 +31,7 @@ class ThroughputResult:
 
     model: str
     dtype: str
+    dtype_reason: str
     attention_backend: str
     num_prompts: int
     input_len: int
@@ -138,7 +139,8 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
     step = statistics.median(decode_steps) if decode_steps else float("nan")
     tokens = num_prompts * (input_len + output_len)
     return ThroughputResult(
-        model=cfg.model, dtype=runner.dtype_name, attention_backend=runner.model.attention.name,
+        model=cfg.model, dtype=runner.dtype_name, dtype_reason=runner.dtype_reason,
+        attention_backend=runner.model.attention.name,
         num_prompts=num_prompts, input_len=input_len, output_len=output_len, elapsed_s=elapsed,
         total_tokens_per_s=tokens / elapsed, output_tokens_per_s=num_prompts * output_len / elapsed,
         prefill_tokens_per_s=num_prompts * input_len / prefill_s, prefill_s=prefill_s, decode_step_ms=step * 1e3,
@@ -151,8 +153,8 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
 def format_result(r: ThroughputResult) -> str:
     """The human-readable report."""
     return "\n".join([
-        f"model {r.model}  dtype {r.dtype}  attention {r.attention_backend}  "
-        f"{r.num_prompts} prompts x {r.input_len} in -> {r.output_len} out",
+        f"model {r.model}  dtype {r.dtype} ({r.dtype_reason})  attention {r.attention_backend}",
+        f"{r.num_prompts} prompts x {r.input_len} random tokens in -> {r.output_len} greedy tokens out, EOS ignored",
         f"total     {r.total_tokens_per_s:9.0f} tok/s   ({r.elapsed_s:.2f} s; bound {r.total_bound_s:.2f} s, "
         f"{r.total_fraction:.0%} of it)",
         f"output    {r.output_tokens_per_s:9.0f} tok/s",

@@ -93,3 +93,27 @@ def test_device_cuda_without_gpus_is_refused():
     run = subprocess.run(PDSERVE + ["serve", "--device", "cuda", "--port", "0"], capture_output=True, text=True,
                          timeout=180)
     assert run.returncode == 2 and "--device cuda needs 2 GPUs" in run.stderr, run.stderr
+
+
+def test_throughput_prints_and_writes_figures(tmp_path):
+    out_json = tmp_path / "w1.json"
+    run = subprocess.run(PDSERVE + ["throughput", "--model", "embedded", "--num-prompts", "3", "--input-len", "20",
+                                    "--output-len", "5", "--dtype", "float32", "--json", str(out_json)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "tok/s" in run.stdout and "ms/step at batch 3" in run.stdout
+    import json
+
+    figures = json.loads(out_json.read_text())
+    assert figures["dtype"] == "float32" and figures["num_prompts"] == 3
+    for key in ("total_tokens_per_s", "prefill_tokens_per_s", "decode_step_ms", "total_bound_s", "memory_gbps"):
+        assert figures[key] > 0, key
+    # every prompt and output token is counted, over the measured wall time
+    assert abs(figures["total_tokens_per_s"] * figures["elapsed_s"] - 3 * 25) < 1e-6
+
+
+def test_throughput_refuses_a_prompt_over_the_context_window():
+    run = subprocess.run(PDSERVE + ["throughput", "--model", "embedded", "--num-prompts", "1", "--input-len", "5000",
+                                    "--output-len", "5"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "exceeds the context window" in run.stderr
