@@ -20,7 +20,7 @@ from pathlib import Path
 from pdserve.engine.models.embedded import default_cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _DECODE_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
 DECODE_SYMBOLS = {"float32": "pdserve_paged_decode_f32", "bfloat16": "pdserve_paged_decode_bf16",
