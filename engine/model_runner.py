@@ -11,6 +11,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.models.dtype import resolve_dtype
 from pdserve.engine.models.attention import AttentionMetadata, select_backend
 from pdserve.engine.models.llama import LlamaModel
+from pdserve.engine.models.ops import select_ops
 from pdserve.engine.models.loader import load_weights
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduling.scheduler import Batch
@@ -41,7 +42,8 @@ class ModelRunner:
         self.dtype = getattr(torch, self.dtype_name)
         attention = select_backend(cfg.attention_backend, self.device, self.dtype, mc.num_heads, mc.num_kv_heads,
                                    mc.head_dim, mc.sliding_window)
-        self.model = LlamaModel(mc, load_weights(model_dir, mc, self.dtype, cfg.device), attention)
+        self.model = LlamaModel(mc, load_weights(model_dir, mc, self.dtype, cfg.device), attention,
+                                select_ops(self.device, self.dtype))
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)
         self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_blocks, cfg.block_size, mc.num_kv_heads,

@@ -1,5 +1,8 @@
 """Build, cache and load the C++ CPU kernels in ``csrc/`` (no torch headers, loaded with ctypes).
 
+``csrc/paged_attention.cpp``: paged decode attention. ``csrc/elementwise_bf16.cpp``: fused
+bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE.
+
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
 and ``-march=native`` into ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``);
 the file name hashes the source, the flags, the compiler and the CPU's feature flags, so an edit, a
@@ -19,10 +22,16 @@ from pathlib import Path
 
 from pdserve.engine.models.embedded import default_cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "elementwise_bf16.cpp"))
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_DECODE_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_int]
+_F, _N = ctypes.c_float, ctypes.c_int
+_DECODE_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _N]
+_ELEMENTWISE_ARGS = {
+    "pdserve_add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _N],
+    "pdserve_silu_mul_bf16": [_P, _P, _I, _I, _N],
+    "pdserve_rope_bf16": [_P, _P, _P, _I, _I, _I, _I, _N],
+}
 DECODE_SYMBOLS = {"float32": "pdserve_paged_decode_f32", "bfloat16": "pdserve_paged_decode_bf16",
                   "float16": "pdserve_paged_decode_f16"}
 
@@ -46,9 +55,9 @@ def _build(cxx: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise KernelUnavailable(f"{cxx} failed to build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(f"{cxx} failed to build the CPU kernels: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent builder's file is equally good
     finally:
         if os.path.exists(tmp):
@@ -62,15 +71,16 @@ def load_cpu_kernels() -> ctypes.CDLL:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found ($CXX or g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
-    path = default_cache_dir() / "kernels" / f"paged_attention-{key[:16]}.so"
+    texts = [p.read_text() for p in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
+    path = default_cache_dir() / "kernels" / f"pdserve-cpu-{key[:16]}.so"
     if not path.is_file():
         _build(cxx, path)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
-    for symbol in DECODE_SYMBOLS.values():
+    for symbol, args in [*((s, _DECODE_ARGS) for s in DECODE_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
         fn = getattr(lib, symbol)
-        fn.argtypes, fn.restype = _DECODE_ARGS, None
+        fn.argtypes, fn.restype = args, None
     return lib

@@ -2,7 +2,8 @@
 
 Math follows the Hugging Face ``transformers`` Llama implementation so that greedy output is
 token-identical to ``generate()`` in float32: RMSNorm in float32, rotate-half RoPE, grouped-query
-attention, SwiGLU MLP. Attention itself is a backend (``pdserve.engine.models.attention``).
+attention, SwiGLU MLP. Attention is a backend (``pdserve.engine.models.attention``), and so are the
+elementwise ops (``pdserve.engine.models.ops``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.models.linear import Linear, fuse_rows, make_linear
+from pdserve.engine.models.ops import ElementwiseOps
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -41,19 +43,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019) over the last dim, computed in float32."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 @dataclass
 class DecoderLayer:
     """One layer's weights, fused and laid out for the device: q|k|v and gate|up are one GEMM each."""
@@ -70,13 +59,15 @@ class LlamaModel:
     """Weights plus the forward pass.
 
     ``weights`` uses the Hugging Face tensor names; they are fused and packed once here (see
-    ``pdserve.engine.models.linear``) and the originals are not kept. ``attention`` is the backend chosen at
-    start (``pdserve.engine.models.attention.select_backend``).
+    ``pdserve.engine.models.linear``) and the originals are not kept. ``attention`` and ``ops`` are the
+    attention backend and elementwise ops chosen at start (``attention.select_backend``, ``ops.select_ops``).
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
+                 ops: ElementwiseOps) -> None:
         self.cfg = cfg
         self.attention = attention
+        self.ops = ops
         w = weights
         self.embed = w["model.embed_tokens.weight"]
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
@@ -104,7 +95,7 @@ class LlamaModel:
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                       # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)                # [T, D] each
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -115,17 +106,16 @@ class LlamaModel:
         num_kv_heads, head_dim], written in place at ``meta.slot_mapping``.
         Returns the final hidden states after the last norm, [num_tokens, hidden_size].
         """
-        cfg = self.cfg
-        eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
-        h = F.embedding(input_ids, self.embed)
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self._rope(positions, h.dtype)
-        for layer, cache in zip(self.layers, kv_cache):
-            x = rms_norm(h, layer.input_norm, eps)
-            h = h + layer.o(self._attention(layer.qkv(x), cos, sin, meta, cache))
-            x = rms_norm(h, layer.post_norm, eps)
-            gate_up = layer.gate_up(x)
-            h = h + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return rms_norm(h, self.norm, eps)
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
+            x = ops.add_rms_norm(h, layer.o(self._attention(layer.qkv(x), cos, sin, meta, cache)), layer.post_norm,
+                                 eps)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), following, eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] logits."""
@@ -139,7 +129,7 @@ class LlamaModel:
         cfg = self.cfg
         T, H, Hkv, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
-        qk = qk * cos + rotate_half(qk) * sin          # RoPE on q and k at once: [T, H + Hkv, D]
+        self.ops.rope_(qk, cos, sin)                    # q and k at once, in place
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         flat = cache.view(2, -1, Hkv, D)                # [2, num_slots, Hkv, D]

@@ -1,0 +1,103 @@
+"""The decoder's elementwise ops (RMSNorm with residual add, SiLU-and-multiply, RoPE), chosen once.
+
+``TorchOps`` is transformers' eager arithmetic op for op, so float32 output stays token-identical
+to ``generate()``. ``CpuBf16Ops`` runs each as one fused C++ pass (``csrc/elementwise_bf16.cpp``)
+on bfloat16 CPU tensors, where eager torch makes 3-8 passes and float32 round trips; it rounds
+where eager bf16 rounds, so it differs only by an ulp where exp() or a sum order does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.models.kernels import KernelUnavailable, load_cpu_kernels
+
+log = logging.getLogger(__name__)
+
+
+class ElementwiseOps(Protocol):
+    name: str
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``residual += delta`` in place (skipped when None), then RMSNorm (Zhang & Sennrich 2019)
+        of it: [num_tokens, hidden] -> [num_tokens, hidden]."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2 * inter] (gate | up) -> silu(gate) * up, [num_tokens, inter]."""
+        ...
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [num_tokens, heads, head_dim] in place (last dim contiguous) by cos/sin
+        [num_tokens, head_dim] (RoFormer, Su et al. 2021; rotate-half layout)."""
+        ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, cast back, then scaled (transformers' LlamaRMSNorm)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TorchOps:
+    name = "torch"
+
+    def add_rms_norm(self, residual, delta, weight, eps):
+        if delta is not None:
+            residual.add_(delta)
+        return rms_norm(residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    def rope_(self, x, cos, sin):
+        x.copy_(x * cos[:, None, :] + rotate_half(x) * sin[:, None, :])
+
+
+class CpuBf16Ops:
+    name = "cpu-bf16"
+
+    def __init__(self) -> None:
+        lib = load_cpu_kernels()
+        self._norm, self._silu, self._rope = (lib.pdserve_add_rms_norm_bf16, lib.pdserve_silu_mul_bf16,
+                                              lib.pdserve_rope_bf16)
+
+    def add_rms_norm(self, residual, delta, weight, eps):
+        out = torch.empty_like(residual)
+        self._norm(out.data_ptr(), residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                   weight.data_ptr(), residual.shape[0], residual.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up):
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        self._silu(out.data_ptr(), gate_up.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+    def rope_(self, x, cos, sin):
+        rows, heads, head_dim = x.shape
+        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, x.stride(0),
+                   torch.get_num_threads())
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> ElementwiseOps:
+    """``CpuBf16Ops`` for bfloat16 on a CPU where the kernels build, else ``TorchOps``."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        try:
+            return CpuBf16Ops()
+        except KernelUnavailable as exc:
+            log.warning("elementwise ops: torch (%s)", exc)
+    return TorchOps()

@@ -1,0 +1,65 @@
+"""Fused bf16 elementwise kernels against transformers' eager arithmetic (``TorchOps``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.models.ops import CpuBf16Ops, TorchOps, select_ops
+
+BF16 = torch.bfloat16
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return CpuBf16Ops()
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (7, 768), (300, 96)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(fused, rows, hidden, with_delta):
+    gen = torch.Generator().manual_seed(rows + hidden)
+    h = (3 * torch.randn(rows, hidden, generator=gen)).to(BF16)
+    delta = torch.randn(rows, hidden, generator=gen).to(BF16) if with_delta else None
+    weight = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(BF16)
+    h_ref, h_ours = h.clone(), h.clone()
+    want = TorchOps().add_rms_norm(h_ref, delta, weight, 1e-5)
+    got = fused.add_rms_norm(h_ours, delta, weight, 1e-5)
+    assert torch.equal(h_ours, h_ref)  # the residual add is bit-exact
+    assert ulps_apart(got, want).max() <= 1
+    assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 32), (9, 2048)])
+def test_silu_mul(fused, rows, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (2 * torch.randn(rows, 2 * inter, generator=gen)).to(BF16)
+    want, got = TorchOps().silu_mul(gate_up), fused.silu_mul(gate_up)
+    assert got.shape == (rows, inter)
+    assert ulps_apart(got, want).max() <= 1
+    assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("heads, head_dim", [(16, 64), (3, 128), (2, 16)])
+def test_rope_in_place_on_a_strided_view(fused, heads, head_dim):
+    gen = torch.Generator().manual_seed(heads)
+    rows = 11
+    qkv = torch.randn(rows, (heads + 2) * head_dim, generator=gen).to(BF16)  # 2 extra heads, like v
+    angles = torch.randn(rows, head_dim // 2, generator=gen)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
+    ref, ours = qkv.clone(), qkv.clone()
+    TorchOps().rope_(ref[:, :heads * head_dim].view(rows, heads, head_dim), cos, sin)
+    fused.rope_(ours[:, :heads * head_dim].view(rows, heads, head_dim), cos, sin)
+    assert torch.equal(ours, ref)  # same rounding after every op: bit-exact
+    assert torch.equal(ours[:, heads * head_dim:], qkv[:, heads * head_dim:])  # the rest untouched
+
+
+def test_selection():
+    assert select_ops(torch.device("cpu"), BF16).name == "cpu-bf16"
+    assert select_ops(torch.device("cpu"), torch.float32).name == "torch"  # the exact float32 path
