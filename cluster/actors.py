@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 
@@ -19,9 +20,14 @@ class WorkerActor:
     def __init__(self) -> None:
         self.running = None
 
-    async def start(self, role: str, engine_cfg, bind_host: str) -> str:
-        """Build the engine, serve the role's gRPC services; returns the advertised "host:port"."""
+    async def start(self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None) -> str:
+        """Build the engine, serve the role's gRPC services; returns the advertised "host:port".
+
+        ``cpus``: pin this process (and the engine and torch threads it starts) to these CPU ids."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+            logging.getLogger(__name__).info("%s worker pinned to CPUs %s", role, cpus)
         if role == "prefill":
             from pdserve.prefill_worker.worker import serve
         elif role == "decode":
@@ -30,6 +36,10 @@ class WorkerActor:
             from pdserve.decode_worker.colocated import serve
         self.running = await serve(engine_cfg, bind_host, 0)
         return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
+
+    def affinity(self) -> list[int]:
+        """CPU ids this worker's engine thread may run on (Linux)."""
+        return sorted(os.sched_getaffinity(0))
 
     async def stop(self) -> None:
         if self.running is not None:

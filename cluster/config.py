@@ -57,6 +57,18 @@ class ClusterConfig:
                              f"{available_gpus:g}")
         return self.device == "cuda" or (self.device is None and available_gpus >= needed)
 
+    def cpu_sets(self, num_cpus: int) -> list[list[int]] | None:
+        """Disjoint CPU ids for each CPU worker, ``cpus_per_worker`` apiece in role order, when they
+        all fit in ``num_cpus``; else None (workers then share cores as the OS schedules them).
+
+        Pinning keeps a worker's torch threads and event loop on its own share, so they do not
+        spin-wait on a core another worker's matmul holds.
+        """
+        c = self.cpus_per_worker
+        if len(self.roles) * c > num_cpus:
+            return None
+        return [list(range(i * c, (i + 1) * c)) for i in range(len(self.roles))]
+
     def worker_engine(self, use_gpu: bool) -> EngineConfig:
         """Engine settings for one worker: its device and, on CPU, its thread count."""
         if use_gpu:

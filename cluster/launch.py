@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -82,8 +83,11 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cfg.cpus_per_worker}
         actors = [WorkerActor.options(**opts).remote() for _ in roles]
         cluster._actors.extend(actors)
-        addresses = ray.get([a.start.remote(r, engine_cfg, bind) for a, r in zip(actors, roles)],
-                            timeout=START_TIMEOUT_S)
+        # pin CPU workers to their own cores on a local machine (a remote cluster's nodes are its own)
+        pin = started and not use_gpu and sys.platform.startswith("linux")
+        cpu_sets = cfg.cpu_sets(os.cpu_count() or 1) if pin else None
+        addresses = ray.get([a.start.remote(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None)
+                             for i, (a, r) in enumerate(zip(actors, roles))], timeout=START_TIMEOUT_S)
         cluster.workers = dict(zip(addresses, roles))
         by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "both")}
         router = RouterActor.remote()

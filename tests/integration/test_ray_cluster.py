@@ -43,6 +43,11 @@ def test_split_cluster_on_ray(split_cluster):
     cluster = split_cluster
     assert sorted(cluster.workers.values()) == ["decode", "prefill"]
     assert all(a.startswith("127.0.0.1:") for a in [cluster.address, *cluster.workers])
+    import os
+
+    if (os.cpu_count() or 1) >= 2:  # each CPU worker pinned to a core of its own
+        pinned = ray.get([a.affinity.remote() for a in cluster._actors[:2]])
+        assert sorted(pinned) == [[0], [1]]
 
     async def run():
         async with Client(cluster.address) as client:
