@@ -1,0 +1,207 @@
+"""KV hand-off benchmark: prefill engine -> codec -> loopback gRPC PushKv -> decode worker's cache.
+
+For each dtype and prompt length it prefills one prompt on ``embedded:llama-80m`` and times, with
+min-of-N, every stage of the hand-off on its own and the whole hand-off end to end:
+
+- ``read``:   ``ModelRunner.read_kv`` out of the prefill engine's paged cache
+- ``pack``:   serialising the payload the way the prefill worker does (header, tensor bytes, checksum)
+- ``push``:   chunking + gRPC ``PushKv`` of a packed frame, until the decode worker holds the decoded
+              payload (a decoder that checks and copies chunks as they arrive does ``unpack``'s work here)
+- ``unpack``: ``unpack_kv`` of a whole frame (all checks, checksum, copy into the tensor)
+- ``write``:  ``ModelRunner.write_kv`` into the decode engine's paged cache (on its engine thread)
+- ``e2e``:    read + the prefill worker's push (``PrefillWorker._push``) to a real decode worker server
+              on 127.0.0.1, which decodes and admits the KV before PushKv returns.  GB/s and the TTFT
+              share are computed from this.
+
+TTFT is the prefill time of the same prompt (min-of-N, measured in this run) plus ``e2e``.  The
+decode worker runs in this process (like the integration tests), on its own engine thread and gRPC
+server; lengths are capped at the model's context minus 2 (one more token is decoded after the
+hand-off).  The machine may be shared: only the minimum of N runs is reported.
+
+    python benchmarks/kv_handoff.py                       # 256/1024/4096 tokens, float32 + bfloat16
+    python benchmarks/kv_handoff.py --lengths 1024 --dtypes bfloat16 --repeats 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+import grpc
+import torch
+
+import pdserve.decode_worker.worker as decode
+import pdserve.prefill_worker.worker as prefill_mod
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.kv.codec import KvPayload, pack_kv, unpack_kv
+from pdserve.engine.models.loader import resolve_model_dir
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.sequence import Sequence
+from pdserve.prefill_worker.kv_sender import GrpcKvSender
+from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+
+MODEL = "embedded:llama-80m"
+# What the prefill worker serialises with (encode_kv: header + tensor view; older code: pack_kv).
+SERIALIZE = getattr(prefill_mod, "encode_kv", None) or prefill_mod.pack_kv
+
+
+def best_ms(fn, repeats: int) -> float:
+    """Min over ``repeats`` calls of ``fn()``, in ms."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+class Arrival:
+    """Notes when the decode worker has the whole KV (the call that admits the decoded payload)."""
+
+    def __init__(self, worker) -> None:
+        self.name = "admit" if hasattr(worker, "admit") else "receive_kv"
+        self.inner = getattr(worker, self.name)
+        self.at = 0.0
+        setattr(worker, self.name, self)
+
+    async def __call__(self, arg) -> None:
+        self.at = time.perf_counter()
+        await self.inner(arg)
+
+
+def prefill(engine: Engine, rid: str, ids: list[int]) -> tuple[Sequence, float]:
+    """Prefill ``ids`` alone; returns the sequence (still holding its blocks) and the step's ms."""
+    seq = engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=2))
+    t0 = time.perf_counter()
+    outs = engine.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    assert [o.seq for o in outs] == [seq] and outs[0].prefill
+    return seq, ms
+
+
+def write_ms(engine: Engine, kv: torch.Tensor, ids: list[int], repeats: int) -> float:
+    """Engine thread: time ``write_kv`` of ``kv`` into freshly allocated blocks."""
+    seq = Sequence.new("bench-write", ids, SamplingParams(max_tokens=2), engine.eos_token_ids)
+    engine.blocks.allocate(seq, len(ids))
+    try:
+        return best_ms(lambda: engine.runner.write_kv(seq, kv), repeats)
+    finally:
+        engine.blocks.free(seq)
+
+
+async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, server, args) -> tuple[float, float]:
+    """Min-of-N ms of ``push`` (a packed frame) and ``e2e`` (read + the prefill worker's push)."""
+    arrival = Arrival(server.worker)
+    sender = GrpcKvSender(args.chunk_bytes) if args.chunk_bytes else GrpcKvSender()
+    pworker = prefill_mod.PrefillWorker(engine, sender)  # not served: only its _push is used
+    channel = grpc.aio.insecure_channel(server.address)
+    stub = worker_pb2_grpc.DecodeServiceStub(channel)
+    push, e2e = float("inf"), float("inf")
+    try:
+        for i in range(args.repeats):
+            for mode in ("push", "e2e"):
+                rid = f"d{n}-{mode}-{i}"
+                stream = stub.Decode(worker_pb2.DecodeRequest(request_id=rid, kv_timeout_s=60))
+                await stream.initial_metadata()
+                if mode == "push":
+                    frame = SERIALIZE(KvPayload(rid, *_rest(payload)))
+                    t0 = time.perf_counter()
+                    await sender.send_kv(server.address, rid, frame)
+                    push = min(push, arrival.at - t0)
+                else:
+                    t0 = time.perf_counter()
+                    kv = await asyncio.to_thread(engine.runner.read_kv, seq, n)  # extract_kv, engine thread
+                    await pworker._push(server.address, KvPayload(rid, *_rest(payload, kv)))
+                    e2e = min(e2e, time.perf_counter() - t0)
+                tokens = [t for batch in [b async for b in stream] for t in batch.token_ids]
+                assert len(tokens) == 1, f"hand-off of {rid} failed"
+    finally:
+        await channel.close()
+        await sender.close()
+    return push * 1e3, e2e * 1e3
+
+
+def _rest(p: KvPayload, kv: torch.Tensor | None = None) -> tuple:
+    return p.fingerprint, p.token_ids, p.first_token, p.sampling, p.kv if kv is None else kv
+
+
+async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
+    max_len = max(lengths)
+    cfg = EngineConfig(model=MODEL, dtype=dtype, block_size=args.block_size,
+                       num_kv_blocks=4 * (max_len // args.block_size + 2), max_num_batched_tokens=max_len,
+                       max_num_seqs=4, torch_threads=args.threads)
+    engine = await asyncio.to_thread(Engine, cfg)
+    server = await decode.serve(cfg)
+    rows, rng = [], random.Random(0)
+    try:
+        for n in lengths:
+            ids = [rng.randrange(3, engine.model_cfg.vocab_size) for _ in range(n)]
+            prefill_ms, seq = float("inf"), None
+            for i in range(args.prefill_repeats):
+                if seq is not None:
+                    engine.scheduler.finish(seq)
+                seq, ms = prefill(engine, f"p{n}-{i}", ids)
+                prefill_ms = min(prefill_ms, ms)
+            runner = engine.runner
+            kv = runner.read_kv(seq, n)
+            payload = KvPayload(seq.request_id, engine.fingerprint, ids, seq.token_ids[-1],
+                                seq.sampling.to_dict(), kv)
+            frame = pack_kv(payload)
+            st = {"read": best_ms(lambda: runner.read_kv(seq, n), args.repeats),
+                  "pack": best_ms(lambda: SERIALIZE(payload), args.repeats),
+                  "unpack": best_ms(lambda: unpack_kv(frame, engine.fingerprint), args.repeats)}
+            st["write"] = await asyncio.wrap_future(
+                server.worker.host.loop.submit(lambda e: write_ms(e, kv, ids, args.repeats)))
+            st["push"], e2e = await handoffs(n, seq, payload, engine, server, args)
+            engine.scheduler.finish(seq)
+            nbytes = kv.numel() * kv.element_size()
+            rows.append({"dtype": dtype, "tokens": n, "bytes": nbytes, **st, "e2e": e2e,
+                         "gbps": nbytes / e2e / 1e6, "prefill": prefill_ms, "share": e2e / (prefill_ms + e2e)})
+            print_row(rows[-1])
+    finally:
+        await server.stop()
+    return rows
+
+
+HEADER = (f"{'dtype':<9}{'tokens':>7}{'MB':>8}{'read':>8}{'pack':>8}{'push':>8}{'unpack':>8}{'write':>8}"
+          f"{'e2e ms':>9}{'GB/s':>7}{'prefill':>9}{'TTFT%':>7}")
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>8.1f}{r['read']:>8.2f}{r['pack']:>8.2f}"
+          f"{r['push']:>8.2f}{r['unpack']:>8.2f}{r['write']:>8.2f}{r['e2e']:>9.2f}{r['gbps']:>7.2f}"
+          f"{r['prefill']:>9.1f}{r['share'] * 100:>6.1f}%", flush=True)
+
+
+async def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="256,1024,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=10, help="N of min-of-N for every hand-off stage")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="N of min-of-N for the prefill")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-bytes", type=int, default=0, help="KV chunk size (default: GrpcKvSender's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    ctx = ModelConfig.from_folder(resolve_model_dir(MODEL)).max_position_embeddings
+    lengths = [min(int(x), ctx - 2) for x in args.lengths.split(",")]
+    print(f"{MODEL}, block_size {args.block_size}, min of {args.repeats} (prefill: {args.prefill_repeats}); "
+          f"stage times in ms", flush=True)
+    print(HEADER)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        rows += await run_dtype(dtype, lengths, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
