@@ -86,12 +86,34 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return sample(logits, [s.sampling for s in seqs], [s.num_output_tokens for s in seqs])
 
+    def _block_index(self, seq: Sequence, n: int) -> tuple[torch.Tensor | None, int, int]:
+        """Positions 0..n-1 of ``seq`` as (device index of its first ``full`` blocks, full, rest): they fill
+        ``full`` whole blocks, then ``rest`` slots of block ``seq.block_table[full]``."""
+        full, rest = divmod(n, self.cfg.block_size)
+        table = seq.block_table
+        if len(table) < full + (rest > 0):
+            raise ValueError(f"{n} positions need {full + (rest > 0)} blocks; {seq.request_id} has {len(table)}")
+        return (self._tensor(table[:full], torch.int64) if full else None), full, rest
+
     def read_kv(self, seq: Sequence, num_positions: int) -> torch.Tensor:
-        """Copy positions 0..num_positions-1 of ``seq`` out of the cache: [num_layers, 2, n, kv_heads, head_dim] on CPU."""
-        flat = self.kv_cache.flatten(2, 3)  # [L, 2, num_blocks * block_size, kv_heads, D]
-        return flat[:, :, self._tensor(self.slots(seq, 0, num_positions), torch.int64)].cpu()
+        """Copy positions 0..num_positions-1 of ``seq`` out of the cache: [num_layers, 2, n, kv_heads, head_dim] on CPU.
+
+        Copies block by block (whole blocks in one ``index_select``), not slot by slot."""
+        idx, full, rest = self._block_index(seq, num_positions)
+        bs, cache = self.cfg.block_size, self.kv_cache
+        out = torch.empty(*cache.shape[:2], num_positions, *cache.shape[4:], dtype=cache.dtype, device=cache.device)
+        if idx is not None:
+            torch.index_select(cache, 2, idx, out=out[:, :, : full * bs].unflatten(2, (full, bs)))
+        if rest:
+            out[:, :, full * bs :].copy_(cache[:, :, seq.block_table[full], :rest])
+        return out.cpu()
 
     def write_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
-        """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions 0..n-1 of ``seq``."""
-        flat = self.kv_cache.flatten(2, 3)
-        flat[:, :, self._tensor(self.slots(seq, 0, kv.shape[2]), torch.int64)] = kv.to(device=self.device, dtype=self.dtype)
+        """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions 0..n-1 of ``seq``, block by block."""
+        idx, full, rest = self._block_index(seq, kv.shape[2])
+        bs, cache = self.cfg.block_size, self.kv_cache
+        kv = kv.to(device=cache.device, dtype=cache.dtype)
+        if idx is not None:
+            cache.index_copy_(2, idx, kv[:, :, : full * bs].unflatten(2, (full, bs)))
+        if rest:
+            cache[:, :, seq.block_table[full], :rest].copy_(kv[:, :, full * bs :])
