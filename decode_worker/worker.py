@@ -8,7 +8,7 @@ import time
 import grpc
 
 from pdserve.engine.engine import Engine, KvCacheFullError
-from pdserve.engine.kv.codec import FrameAssembler, KvCodecError, KvLimits, unpack_kv
+from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens
 from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -38,14 +38,17 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self._pending: dict[str, asyncio.Future] = {}
         self._kv_transfer_ns: dict[str, int] = {}
 
-    async def receive_kv(self, frame: bytes) -> None:
-        """Unpack, check and admit a KV frame (KvReceiver).
+    async def receive_kv(self, frame: Frame) -> None:
+        """Unpack, check and admit a KV frame, one buffer or its received chunks (KvReceiver).
 
         Raises KvCodecError for a bad frame, KeyError when no Decode stream waits for its request,
         ValueError when the request can never fit, KvCacheFullError when blocks stay short past the
         KV timeout (KvCacheFullError). The waiting Decode stream gets the same error.
         """
-        payload = await asyncio.to_thread(unpack_kv, frame, self.engine.fingerprint, self.limits)
+        await self.admit(await asyncio.to_thread(unpack_kv, frame, self.engine.fingerprint, self.limits))
+
+    async def admit(self, payload: KvPayload) -> None:
+        """Admit an unpacked KV payload for its waiting Decode stream (errors as :meth:`receive_kv`)."""
         rid = payload.request_id
         fut = self._pending.get(rid)
         if fut is None or fut.done():
@@ -115,7 +118,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 await abort_quietly(self.host.loop, rid)
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
-        assembler = FrameAssembler(self.limits)
+        # Chunks are decoded as they arrive: a bad header is refused at once, and each chunk's bytes
+        # are checksummed and copied into the KV tensor while the next ones are still in flight.
+        decoder = KvDecoder(self.engine.fingerprint, self.limits)
         rid = None
         try:
             async for chunk in request_iterator:
@@ -124,9 +129,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                     if rid not in self._pending:
                         await context.abort(grpc.StatusCode.NOT_FOUND,
                                             f"no decode stream is waiting for request {rid!r}")
-                assembler.add(chunk.data)
-            frame = assembler.frame()
-            await self.receive_kv(frame)
+                decoder.add(chunk.data)
+            await self.admit(decoder.finish())
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # every failure also ends the waiting Decode stream at once
@@ -136,7 +140,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             code = next((c for t, c in PUSH_ERROR_CODES if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
             message = exc.args[0] if isinstance(exc, KeyError) else str(exc) or repr(exc)
             await context.abort(code, f"KV cache refused: {message}")
-        return worker_pb2.PushKvResponse(received_bytes=len(frame))
+        return worker_pb2.PushKvResponse(received_bytes=decoder.received)
 
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float = 30.0):

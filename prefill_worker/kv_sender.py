@@ -4,44 +4,71 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.engine.kv.codec import iter_chunks
+from pdserve.engine.kv.codec import Frame
+from pdserve.engine.kv.framing import DEFAULT_CHUNK_BYTES, iter_chunks
 from pdserve.engine.kv.transfer import KvTransferError
 from pdserve.engine.host.serving import GRPC_OPTIONS
-from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.proto.v1 import worker_pb2
+
+PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKv"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_kv_chunk(chunk: tuple[str, memoryview]) -> bytes:
+    """Wire bytes of ``KvChunk(request_id=chunk[0], data=chunk[1])``, identical to protobuf's
+    ``SerializeToString``, built with one copy of the data (a message object would take three)."""
+    request_id, data = chunk
+    parts = []
+    if request_id:
+        rid = request_id.encode()
+        parts += [b"\x0a", _varint(len(rid)), rid]  # field 1, length-delimited
+    if len(data):
+        parts += [b"\x12", _varint(len(data)), data]  # field 2, length-delimited
+    return b"".join(parts)
 
 
 class GrpcKvSender:
     """Implements ``pdserve.engine.kv.transfer.KvSender``.
 
-    Frames travel as ``KvChunk`` messages of at most ``chunk_bytes`` (default 1 MiB, below gRPC's
-    4 MiB default message limit). One channel per decode worker is kept open.
+    Frames travel as ``KvChunk`` messages of at most ``chunk_bytes`` bytes of frame data (default
+    1 MiB, below gRPC's 4 MiB default message limit). One channel per decode worker is kept open.
     """
 
-    def __init__(self, chunk_bytes: int = 1 << 20, timeout_s: float = 30.0) -> None:
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self._stubs: dict[str, worker_pb2_grpc.DecodeServiceStub] = {}
+        self._calls: dict[str, grpc.aio.StreamUnaryMultiCallable] = {}
         self._channels: list[grpc.aio.Channel] = []
 
-    def _stub(self, target: str) -> worker_pb2_grpc.DecodeServiceStub:
-        stub = self._stubs.get(target)
-        if stub is None:
+    def _push_kv(self, target: str) -> grpc.aio.StreamUnaryMultiCallable:
+        call = self._calls.get(target)
+        if call is None:
             channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
             self._channels.append(channel)
-            stub = self._stubs[target] = worker_pb2_grpc.DecodeServiceStub(channel)
-        return stub
+            call = self._calls[target] = channel.stream_unary(
+                PUSH_KV_METHOD, request_serializer=encode_kv_chunk,
+                response_deserializer=worker_pb2.PushKvResponse.FromString)
+        return call
 
-    async def send_kv(self, target: str, request_id: str, frame: bytes) -> None:
+    async def send_kv(self, target: str, request_id: str, frame: Frame) -> None:
         """Stream ``frame`` to ``target``; KvTransferError with the gRPC status on failure."""
 
         def chunks():
             for i, piece in enumerate(iter_chunks(frame, self.chunk_bytes)):
-                yield worker_pb2.KvChunk(request_id=request_id if i == 0 else "", data=bytes(piece))
+                yield (request_id if i == 0 else "", piece)
 
         try:
-            await self._stub(target).PushKv(chunks(), timeout=self.timeout_s)
+            await self._push_kv(target)(chunks(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise KvTransferError(f"KV push of {request_id!r} to {target} failed: "
                                   f"{exc.code().name}: {exc.details()}") from exc

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.engine import Engine, StepOutput
-from pdserve.engine.kv.codec import KvPayload, pack_kv
+from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.scheduling.sequence import FinishReason
 from pdserve.engine.host.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
@@ -81,7 +81,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         """Serialize off the event loop, then stream to the decode worker. Failures are logged; the
         decode side fails the request when its KV wait times out or the push is refused."""
         try:
-            frame = await asyncio.to_thread(pack_kv, payload)
+            frame = await asyncio.to_thread(encode_kv, payload)
             await self.kv_sender.send_kv(target, payload.request_id, frame)
         except KvTransferError as exc:
             log.warning("%s", exc)

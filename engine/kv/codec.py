@@ -6,91 +6,51 @@ A frame is::
 
 The header is a msgpack map with the keys ``version, request_id, fingerprint, dtype, shape,
 token_ids, first_token, first_token_unix_ns, sampling, nbytes, checksum``.  The tensor bytes are
-the C-contiguous KV tensor reinterpreted as uint8 (so bfloat16 works without numpy support).  ``checksum`` is ``zlib.crc32`` of the tensor bytes: it
-detects corruption in transit, it is not a security measure.  Nothing here uses
+the C-contiguous KV tensor reinterpreted as uint8 (so bfloat16 works without numpy support).
+``checksum`` is the CRC-32 of the tensor bytes (``zlib.crc32``'s value; computed with ISA-L when
+installed): it detects corruption in transit, it is not a security measure.  Nothing here uses
 pickle; every size is checked against :class:`KvLimits` before any allocation.
+
+A frame may be held as one buffer or as a sequence of consecutive parts (:data:`Frame`):
+:func:`encode_kv` returns the header and a view of the tensor's own memory without joining them, and
+:class:`KvDecoder` (behind :func:`unpack_kv`) checks, checksums and copies the bytes piece by piece
+as they arrive.  A hand-off so copies the tensor bytes only into the transport messages and into the
+decoded tensor, and the receiver refuses a bad header before the tensor bytes travel.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Union
 
 import msgpack
 import torch
+
+try:  # ISA-L's crc32 returns exactly zlib.crc32's values, several times faster (it is a dependency)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - a platform without isal wheels still works, more slowly
+    from zlib import crc32
+
+from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, _is_int
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "PREFIX_BYTES", "Buffer", "Frame", "KvCodecError", "KvDecoder", "KvLimits",
+           "KvPayload", "ModelFingerprint", "crc32", "encode_kv", "frame_parts", "pack_kv", "unpack_kv"]
 
 FORMAT_VERSION = 1
 MAGIC = b"PDKV"
 _PREFIX = struct.Struct("<4sI")
 PREFIX_BYTES = _PREFIX.size  # 8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+Buffer = Union[bytes, bytearray, memoryview]
+Frame = Union[Buffer, Sequence[Buffer]]  # one buffer, or the frame's bytes as consecutive parts
+_SLICE = 1 << 20  # tensor bytes are checksummed then copied in slices of this size, still in cache for the copy
 _HEADER_TYPES: dict[str, type] = {
     "request_id": str, "fingerprint": dict, "dtype": str, "shape": list, "token_ids": list,
     "first_token": int, "first_token_unix_ns": int, "sampling": dict, "nbytes": int, "checksum": int,
 }
-
-
-class KvCodecError(ValueError):
-    """Raised for any KV payload that cannot be packed or accepted; the message says exactly what
-    is wrong, e.g. ``"model fingerprint mismatch: num_layers 4 != 5"`` or ``"checksum mismatch"``."""
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-@dataclass(frozen=True)
-class ModelFingerprint:
-    """Identity of the model/KV layout; prefill and decode must agree exactly.
-
-    ``dtype`` is the KV cache dtype name (``"float32"``, ``"float16"`` or
-    ``"bfloat16"``); ``tokenizer_hash`` is the sha256 hex digest of tokenizer.json.
-    """
-
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-    tokenizer_hash: str
-
-    def to_dict(self) -> dict:
-        """Plain dict of all fields, suitable for msgpack."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelFingerprint":
-        """Build from a dict as produced by :meth:`to_dict`.
-
-        Raises KvCodecError if ``d`` is not a dict, a key is missing or unknown,
-        a value has the wrong type, or an integer field is not positive.
-        """
-        if not isinstance(d, dict):
-            raise KvCodecError(f"fingerprint is not a map (got {type(d).__name__})")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in d:
-                raise KvCodecError(f"fingerprint missing key {f.name!r}")
-            v = d[f.name]
-            if f.type == "int":
-                if not _is_int(v) or v <= 0:
-                    raise KvCodecError(f"fingerprint {f.name} must be a positive int, got {v!r}")
-            elif not isinstance(v, str):
-                raise KvCodecError(f"fingerprint {f.name} must be a str, got {type(v).__name__}")
-            kwargs[f.name] = v
-        if unknown := sorted(str(k) for k in d if k not in kwargs):
-            raise KvCodecError(f"fingerprint has unknown keys: {', '.join(unknown)}")
-        return cls(**kwargs)
-
-    def mismatches(self, other: "ModelFingerprint") -> list[str]:
-        """Differences as ``"<field> <self value> != <other value>"``; [] when equal."""
-        pairs = [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)]
-        return [f"{name} {a!r} != {b!r}" for name, a, b in pairs if a != b]
 
 
 @dataclass(frozen=True)
@@ -132,12 +92,14 @@ def _check_shape(shape: list, fp: ModelFingerprint, num_tokens: int) -> None:
         raise KvCodecError("payload carries no tokens")
 
 
-def pack_kv(payload: KvPayload) -> bytes:
-    """Serialise ``payload`` into one frame (bytes).
+def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
+    """Serialise ``payload`` as two parts, ``(prefix + header, tensor bytes)``; the frame is their
+    concatenation.
 
-    The tensor is made contiguous on CPU and copied once into the frame.
-    Raises KvCodecError if the tensor dtype/shape disagrees with the fingerprint
-    or token count, or if a header field cannot be encoded by msgpack.
+    The tensor bytes are a read-only view of the payload's tensor (made contiguous on CPU first, the
+    only copy, and only when it is not already); the checksum is computed over that view.
+    Raises KvCodecError if the tensor dtype/shape disagrees with the fingerprint or token count, or
+    if a header field cannot be encoded by msgpack.
     """
     fp = payload.fingerprint
     if payload.kv.dtype != _DTYPES.get(fp.dtype):
@@ -145,54 +107,43 @@ def pack_kv(payload: KvPayload) -> bytes:
     token_ids = [int(t) for t in payload.token_ids]
     _check_shape(list(payload.kv.shape), fp, len(token_ids))
     flat = payload.kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    data = memoryview(flat.numpy())
+    data = memoryview(flat.numpy()).toreadonly()
     header = {
         "version": FORMAT_VERSION, "request_id": payload.request_id, "fingerprint": fp.to_dict(),
         "dtype": fp.dtype, "shape": list(payload.kv.shape), "token_ids": token_ids,
         "first_token": int(payload.first_token), "first_token_unix_ns": int(payload.first_token_unix_ns),
         "sampling": payload.sampling,
-        "nbytes": data.nbytes, "checksum": zlib.crc32(data),
+        "nbytes": data.nbytes, "checksum": crc32(data),
     }
     try:
         hdr = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise KvCodecError(f"header not encodable: {e}") from e
-    return b"".join((_PREFIX.pack(MAGIC, len(hdr)), hdr, data))
+    return _PREFIX.pack(MAGIC, len(hdr)) + hdr, data
 
 
-def _as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
+def pack_kv(payload: KvPayload) -> bytes:
+    """Serialise ``payload`` into one frame (bytes): :func:`encode_kv`'s parts joined (errors as there)."""
+    return b"".join(encode_kv(payload))
+
+
+def _as_bytes_view(data: Buffer) -> memoryview:
     mv = memoryview(data)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def unpack_kv(
-    data: bytes | bytearray | memoryview, expected: ModelFingerprint, limits: KvLimits = KvLimits()
-) -> KvPayload:
-    """Parse and fully validate a frame produced by :func:`pack_kv`.
+def frame_parts(frame: Frame) -> list[memoryview]:
+    """``frame`` as a list of flat byte views (one for a single buffer), empty parts dropped."""
+    parts = [frame] if isinstance(frame, (bytes, bytearray, memoryview)) else frame
+    return [mv for mv in map(_as_bytes_view, parts) if len(mv)]
 
-    Returns a KvPayload whose ``kv`` ([num_layers, 2, num_tokens, num_kv_heads,
-    head_dim]) owns its memory (one copy of the tensor bytes).  Raises
-    KvCodecError, before allocating the tensor, for: bad magic; header length
-    over ``limits.max_header_bytes`` or past the end of ``data``; undecodable or
-    non-map header; unknown version; missing/wrong-typed keys; fingerprint
-    differing from ``expected`` (all fields listed, "received != expected");
-    dtype/shape disagreeing with fingerprint or token count; over
-    ``limits.max_tokens`` tokens; nbytes inconsistent or over
-    ``limits.max_tensor_bytes``; truncated or trailing data; crc32 mismatch.
-    """
-    mv = _as_bytes_view(data)
-    if len(mv) < PREFIX_BYTES:
-        raise KvCodecError(f"truncated frame: expected {PREFIX_BYTES} prefix bytes, got {len(mv)}")
-    magic, hlen = _PREFIX.unpack_from(mv)
-    if magic != MAGIC:
-        raise KvCodecError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
-    if hlen > limits.max_header_bytes:
-        raise KvCodecError(f"header too large: {hlen} > limit {limits.max_header_bytes}")
-    if PREFIX_BYTES + hlen > len(mv):
-        raise KvCodecError(f"truncated frame: expected {hlen} header bytes, got {len(mv) - PREFIX_BYTES}")
+
+def _parse_header(raw: Buffer, expected: ModelFingerprint, limits: KvLimits) -> dict:
+    """Decode and check a header (see :func:`unpack_kv`); adds the parsed ``fingerprint`` and ``torch_dtype``."""
+    hlen = len(raw)
     try:  # every msgpack element takes >= 1 byte (map entries >= 2): bound all lengths by hlen
         header = msgpack.unpackb(
-            mv[PREFIX_BYTES : PREFIX_BYTES + hlen], raw=False, strict_map_key=True, max_str_len=hlen,
+            raw, raw=False, strict_map_key=True, max_str_len=hlen,
             max_bin_len=hlen, max_array_len=hlen, max_map_len=hlen // 2, max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several unrelated types for bad input
@@ -211,7 +162,7 @@ def unpack_kv(
     token_ids = header["token_ids"]
     if not all(_is_int(t) for t in token_ids):
         raise KvCodecError("header token_ids must all be ints")
-    fp = ModelFingerprint.from_dict(header["fingerprint"])
+    fp = header["fingerprint"] = ModelFingerprint.from_dict(header["fingerprint"])
     if diffs := fp.mismatches(expected):
         raise KvCodecError("model fingerprint mismatch: " + "; ".join(diffs))
     dtype_name = header["dtype"]
@@ -219,7 +170,7 @@ def unpack_kv(
         raise KvCodecError(f"unsupported dtype {dtype_name!r}")
     if dtype_name != fp.dtype:
         raise KvCodecError(f"dtype {dtype_name} does not match fingerprint dtype {fp.dtype}")
-    dtype = _DTYPES[dtype_name]
+    dtype = header["torch_dtype"] = _DTYPES[dtype_name]
     shape = header["shape"]
     _check_shape(shape, fp, len(token_ids))
     if shape[2] > limits.max_tokens:
@@ -230,69 +181,101 @@ def unpack_kv(
         raise KvCodecError(f"nbytes {nbytes} != {want_nbytes} implied by shape {shape} and dtype {dtype_name}")
     if nbytes > limits.max_tensor_bytes:
         raise KvCodecError(f"tensor too large: {nbytes} bytes > limit {limits.max_tensor_bytes}")
-    body = mv[PREFIX_BYTES + hlen :]
-    if len(body) < nbytes:
-        raise KvCodecError(f"truncated frame: expected {nbytes} bytes of tensor data, got {len(body)}")
-    if len(body) > nbytes:
-        raise KvCodecError(f"trailing bytes: expected {nbytes} bytes of tensor data, got {len(body)}")
-    if (crc := zlib.crc32(body)) != header["checksum"]:
-        raise KvCodecError(f"checksum mismatch: header {header['checksum']:#010x}, data {crc:#010x}")
-
-    kv = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype).reshape(shape)
-    return KvPayload(header["request_id"], fp, token_ids, header["first_token"], header["sampling"], kv,
-                     header["first_token_unix_ns"])
+    return header
 
 
-def iter_chunks(frame: bytes | bytearray | memoryview, chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:
-    """Yield zero-copy memoryview slices of ``frame``, each at most ``chunk_bytes`` bytes.
+class KvDecoder:
+    """Incremental :func:`unpack_kv`: :meth:`add` a frame's bytes in pieces of any size, then :meth:`finish`.
 
-    Raises ValueError if ``chunk_bytes <= 0``.
-    """
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    mv = _as_bytes_view(frame)
-    for start in range(0, len(mv), chunk_bytes):
-        yield mv[start : start + chunk_bytes]
-
-
-class FrameAssembler:
-    """Reassembles a frame from chunks, refusing to grow past ``limits``.
-
-    The cap is ``PREFIX_BYTES + max_header_bytes + max_tensor_bytes`` bytes.  As
-    soon as the 8-byte prefix is complete, bad magic or a declared header length
-    over ``max_header_bytes`` is refused too.  Checks run before a chunk is stored.
+    Each check runs as soon as its bytes are in: the prefix (magic, header length) on its 8th byte,
+    the whole header (fingerprint, shape, limits) on its last, so a bad frame is refused before its
+    tensor bytes travel and nothing is allocated before the header passed.  Tensor bytes are then
+    checksummed and copied once, into the tensor's own buffer, as they arrive.  Every error is a
+    KvCodecError with :func:`unpack_kv`'s messages; a decoder that raised must be dropped.
     """
 
-    def __init__(self, limits: KvLimits = KvLimits()):
-        self._limits = limits
-        self._cap = PREFIX_BYTES + limits.max_header_bytes + limits.max_tensor_bytes
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._head = b""
+    def __init__(self, expected: ModelFingerprint, limits: KvLimits = KvLimits()) -> None:
+        self._expected, self._limits = expected, limits
+        self._head = bytearray()  # prefix, then prefix + header, until the header is parsed
+        self._hlen: int | None = None
+        self._header: dict | None = None
+        self._buf: torch.Tensor | None = None
+        self._dst = memoryview(b"")
+        self._got = self._crc = 0
+        self.received = 0  # bytes passed to add() so far
 
-    def add(self, chunk: bytes | bytearray | memoryview) -> None:
-        """Append one chunk (copied unless it is already ``bytes``).
-
-        Raises KvCodecError if the total would exceed the cap, or if the frame
-        prefix has bad magic or declares a header over ``limits.max_header_bytes``.
-        """
+    def add(self, chunk: Buffer) -> None:
+        """Consume the next bytes of the frame (KvCodecError as soon as they show it is bad)."""
         mv = _as_bytes_view(chunk)
-        if self._size + len(mv) > self._cap:
-            raise KvCodecError(f"frame too large: {self._size + len(mv)} bytes > limit {self._cap}")
-        if len(self._head) < PREFIX_BYTES:
-            head = self._head + bytes(mv[: PREFIX_BYTES - len(self._head)])
-            if len(head) == PREFIX_BYTES:
-                magic, hlen = _PREFIX.unpack(head)
-                if magic != MAGIC:
-                    raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
-                if hlen > self._limits.max_header_bytes:
-                    raise KvCodecError(f"header too large: {hlen} > limit {self._limits.max_header_bytes}")
-            self._head = head
-        self._chunks.append(chunk if isinstance(chunk, bytes) else mv.tobytes())
-        self._size += len(mv)
+        self.received += len(mv)
+        while self._header is None and len(mv):
+            need = PREFIX_BYTES + (self._hlen or 0)
+            take = need - len(self._head)
+            self._head += mv[:take]
+            mv = mv[take:]
+            if len(self._head) < need:
+                return
+            if self._hlen is None:
+                self._hlen = self._check_prefix()
+            if len(self._head) == PREFIX_BYTES + self._hlen:
+                self._start_body()
+        if not len(mv):
+            return
+        nbytes = self._header["nbytes"]
+        if self._got + len(mv) > nbytes:
+            raise KvCodecError(f"trailing bytes: expected {nbytes} bytes of tensor data, got {self._got + len(mv)}")
+        for i in range(0, len(mv), _SLICE):
+            piece = mv[i : i + _SLICE]
+            self._crc = crc32(piece, self._crc)
+            self._dst[self._got : self._got + len(piece)] = piece
+            self._got += len(piece)
 
-    def frame(self) -> bytes:
-        """The bytes received so far, concatenated (validate with :func:`unpack_kv`)."""
-        if len(self._chunks) > 1:
-            self._chunks = [b"".join(self._chunks)]
-        return self._chunks[0] if self._chunks else b""
+    def _check_prefix(self) -> int:
+        magic, hlen = _PREFIX.unpack(self._head)
+        if magic != MAGIC:
+            raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
+        if hlen > self._limits.max_header_bytes:
+            raise KvCodecError(f"header too large: {hlen} > limit {self._limits.max_header_bytes}")
+        return hlen
+
+    def _start_body(self) -> None:
+        self._header = _parse_header(memoryview(self._head)[PREFIX_BYTES:], self._expected, self._limits)
+        self._head = bytearray()
+        self._buf = torch.empty(self._header["nbytes"], dtype=torch.uint8)  # size checked by _parse_header
+        self._dst = memoryview(self._buf.numpy())
+
+    def finish(self) -> KvPayload:
+        """The payload, once the whole frame was added; KvCodecError for a truncated frame or bad checksum."""
+        h = self._header
+        if self._hlen is None:
+            raise KvCodecError(f"truncated frame: expected {PREFIX_BYTES} prefix bytes, got {len(self._head)}")
+        if h is None:
+            raise KvCodecError(f"truncated frame: expected {self._hlen} header bytes, got "
+                               f"{len(self._head) - PREFIX_BYTES}")
+        if self._got < h["nbytes"]:
+            raise KvCodecError(f"truncated frame: expected {h['nbytes']} bytes of tensor data, got {self._got}")
+        if self._crc != h["checksum"]:
+            raise KvCodecError(f"checksum mismatch: header {h['checksum']:#010x}, data {self._crc:#010x}")
+        kv = self._buf.view(h["torch_dtype"]).reshape(h["shape"])
+        return KvPayload(h["request_id"], h["fingerprint"], h["token_ids"], h["first_token"], h["sampling"], kv,
+                         h["first_token_unix_ns"])
+
+
+def unpack_kv(data: Frame, expected: ModelFingerprint, limits: KvLimits = KvLimits()) -> KvPayload:
+    """Parse and fully validate a frame produced by :func:`pack_kv` / :func:`encode_kv`.
+
+    ``data`` is the frame as one buffer or as its consecutive parts (read in place, see
+    :class:`KvDecoder`).  Returns a KvPayload whose ``kv`` ([num_layers, 2, num_tokens, num_kv_heads,
+    head_dim]) owns its memory (one copy of the tensor bytes).  Raises
+    KvCodecError, before allocating the tensor, for: bad magic; header length
+    over ``limits.max_header_bytes`` or past the end of ``data``; undecodable or
+    non-map header; unknown version; missing/wrong-typed keys; fingerprint
+    differing from ``expected`` (all fields listed, "received != expected");
+    dtype/shape disagreeing with fingerprint or token count; over
+    ``limits.max_tokens`` tokens; nbytes inconsistent or over
+    ``limits.max_tensor_bytes``; and after it for trailing or truncated data or a crc32 mismatch.
+    """
+    decoder = KvDecoder(expected, limits)
+    for part in frame_parts(data):
+        decoder.add(part)
+    return decoder.finish()

@@ -1,7 +1,7 @@
 """The seam between prefill and decode: how a packed KV frame reaches a decode worker.
 
 A prefill worker holds a :class:`KvSender`; a decode worker implements
-:class:`KvReceiver`.  Frames are produced by :func:`pdserve.engine.kv.codec.pack_kv`.
+:class:`KvReceiver`.  Frames are produced by :func:`pdserve.engine.kv.codec.encode_kv` (or ``pack_kv``).
 :class:`InProcessKvTransfer` is the in-process implementation used in tests and
 single-process setups; it chunks and reassembles frames exactly like the
 network path so the same :class:`~pdserve.engine.kv.codec.KvLimits` apply.
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from pdserve.engine.kv.codec import FrameAssembler, KvCodecError, KvLimits, iter_chunks
+from pdserve.engine.kv.codec import Frame, KvCodecError, KvLimits
+from pdserve.engine.kv.framing import DEFAULT_CHUNK_BYTES, FrameAssembler, iter_chunks
 
 
 class KvTransferError(RuntimeError):
@@ -20,8 +21,8 @@ class KvTransferError(RuntimeError):
 
 @runtime_checkable
 class KvReceiver(Protocol):
-    async def receive_kv(self, frame: bytes) -> None:
-        """Accept one complete frame.
+    async def receive_kv(self, frame: Frame) -> None:
+        """Accept one complete frame (one buffer or its consecutive parts, e.g. the received chunks).
 
         Raises KvCodecError for a frame that cannot be accepted, KeyError for an
         unknown request id, or whatever else the implementation decides.
@@ -31,8 +32,9 @@ class KvReceiver(Protocol):
 
 @runtime_checkable
 class KvSender(Protocol):
-    async def send_kv(self, target: str, request_id: str, frame: bytes) -> None:
-        """Deliver ``frame`` (for ``request_id``) to the decode worker at ``target`` ("host:port").
+    async def send_kv(self, target: str, request_id: str, frame: Frame) -> None:
+        """Deliver ``frame`` (for ``request_id``; one buffer or its parts as from ``encode_kv``) to the
+        decode worker at ``target`` ("host:port").
 
         Raises KvTransferError on any failure, including rejection by the receiver.
         """
@@ -48,7 +50,7 @@ class InProcessKvTransfer:
     the object.  Raises ValueError if ``chunk_bytes <= 0``.
     """
 
-    def __init__(self, chunk_bytes: int = 1 << 20, limits: KvLimits = KvLimits()):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, limits: KvLimits = KvLimits()):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
@@ -60,7 +62,7 @@ class InProcessKvTransfer:
         """Route frames sent to ``target`` to ``receiver`` (replacing any previous one)."""
         self._receivers[target] = receiver
 
-    async def send_kv(self, target: str, request_id: str, frame: bytes) -> None:
+    async def send_kv(self, target: str, request_id: str, frame: Frame) -> None:
         """Chunk, reassemble and hand ``frame`` to the receiver registered for ``target``.
 
         Raises KvTransferError if ``target`` is unknown, if reassembly exceeds
@@ -78,7 +80,7 @@ class InProcessKvTransfer:
         except KvCodecError as e:
             raise KvTransferError(f"kv frame for request {request_id!r} refused in transit: {e}") from e
         try:
-            await receiver.receive_kv(assembler.frame())
+            await receiver.receive_kv(assembler.parts())
         except Exception as e:
             raise KvTransferError(
                 f"{target} rejected kv for request {request_id!r}: {type(e).__name__}: {e}"

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.kv.codec import KvCodecError, KvLimits, KvPayload, ModelFingerprint, pack_kv, unpack_kv
+from pdserve.engine.kv.codec import Frame, KvCodecError, KvLimits, KvPayload, ModelFingerprint, pack_kv, unpack_kv
 from pdserve.engine.kv.transfer import InProcessKvTransfer, KvReceiver, KvSender, KvTransferError
 
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 16, "bfloat16", 16, "ff" * 32)
@@ -21,7 +21,7 @@ class DecodeStub:
         self.expected = expected
         self.received: list[KvPayload] = []
 
-    async def receive_kv(self, frame: bytes) -> None:
+    async def receive_kv(self, frame: Frame) -> None:
         self.received.append(unpack_kv(frame, self.expected))
 
 
@@ -98,3 +98,15 @@ async def test_transit_limits_apply_before_receiver():
 def test_rejects_non_positive_chunk_size():
     with pytest.raises(ValueError):
         InProcessKvTransfer(chunk_bytes=0)
+
+
+@pytest.mark.parametrize("rid,size", [("req-1", 0), ("", 5), ("r" * 200, 127), ("é", 128), ("x", 16384), ("y", (1 << 20) + 3)])
+def test_grpc_sender_encodes_kv_chunks_like_protobuf(rid, size):
+    from pdserve.prefill_worker.kv_sender import encode_kv_chunk
+    from pdserve.proto.v1 import worker_pb2
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    wire = encode_kv_chunk((rid, memoryview(data)))
+    assert wire == worker_pb2.KvChunk(request_id=rid, data=data).SerializeToString()
+    msg = worker_pb2.KvChunk.FromString(wire)
+    assert (msg.request_id, msg.data) == (rid, data)

@@ -1,0 +1,68 @@
+"""Model identity a KV frame carries (:class:`ModelFingerprint`) and the codec's error type.
+
+Both are re-exported by :mod:`pdserve.engine.kv.codec`, where callers import them from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class KvCodecError(ValueError):
+    """Raised for any KV payload that cannot be packed or accepted; the message says exactly what
+    is wrong, e.g. ``"model fingerprint mismatch: num_layers 4 != 5"`` or ``"checksum mismatch"``."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Identity of the model/KV layout; prefill and decode must agree exactly.
+
+    ``dtype`` is the KV cache dtype name (``"float32"``, ``"float16"`` or
+    ``"bfloat16"``); ``tokenizer_hash`` is the sha256 hex digest of tokenizer.json.
+    """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    tokenizer_hash: str
+
+    def to_dict(self) -> dict:
+        """Plain dict of all fields, suitable for msgpack."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelFingerprint":
+        """Build from a dict as produced by :meth:`to_dict`.
+
+        Raises KvCodecError if ``d`` is not a dict, a key is missing or unknown,
+        a value has the wrong type, or an integer field is not positive.
+        """
+        if not isinstance(d, dict):
+            raise KvCodecError(f"fingerprint is not a map (got {type(d).__name__})")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                raise KvCodecError(f"fingerprint missing key {f.name!r}")
+            v = d[f.name]
+            if f.type == "int":
+                if not _is_int(v) or v <= 0:
+                    raise KvCodecError(f"fingerprint {f.name} must be a positive int, got {v!r}")
+            elif not isinstance(v, str):
+                raise KvCodecError(f"fingerprint {f.name} must be a str, got {type(v).__name__}")
+            kwargs[f.name] = v
+        if unknown := sorted(str(k) for k in d if k not in kwargs):
+            raise KvCodecError(f"fingerprint has unknown keys: {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def mismatches(self, other: "ModelFingerprint") -> list[str]:
+        """Differences as ``"<field> <self value> != <other value>"``; [] when equal."""
+        pairs = [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)]
+        return [f"{name} {a!r} != {b!r}" for name, a, b in pairs if a != b]
