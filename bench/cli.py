@@ -13,9 +13,9 @@ from pathlib import Path
 
 from pdserve.engine.host.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 from pdserve.bench.metrics import SLO, RequestRecord, json_safe, summarize
-from pdserve.bench.prompts import PROMPT_SETS, PromptPool, load_prompts
-from pdserve.bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, gamma_arrivals, load_trace,
-                            poisson_arrivals, sample_lengths, scale_to_rate, window)
+from pdserve.bench.prompts import PROMPT_SETS, RANDOM_PROMPTS, make_prompt_pool
+from pdserve.bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, fix_lengths, gamma_arrivals,
+                            load_trace, poisson_arrivals, sample_lengths, scale_to_rate, window)
 
 DEFAULT_PROMPTS = "sharegpt,belle-zh"
 
@@ -33,7 +33,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply trace token counts (fit small hardware)")
     g.add_argument("--max-input-tokens", type=positive_int, default=None)
     g.add_argument("--max-output-tokens", type=positive_int, default=None)
-    g.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}")
+    g.add_argument("--input-len", type=positive_int, default=None,
+                   help="every prompt exactly this many tokens (instead of the trace's lengths; not scaled)")
+    g.add_argument("--output-len", type=positive_int, default=None,
+                   help="every request exactly this many output tokens (instead of the trace's; not scaled)")
+    g.add_argument("--prompts", default=DEFAULT_PROMPTS,
+                   help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}; or {RANDOM_PROMPTS} "
+                        f"(random token ids, no dataset needed)")
     g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
     g.add_argument("--seed", type=non_negative_int, default=0)
 
@@ -45,11 +51,16 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
 
 def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
     """The request list for one run. The same args give the same lengths and prompts at every rate;
-    only the send times change with ``rate`` (req/s)."""
-    rows = window(load_trace(args.trace, args.datasets_dir), args.trace_start, args.duration, args.num_requests)
-    if not rows:
-        raise ValueError(f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) "
-                         f"holds no requests")
+    only the send times change with ``rate`` (req/s).
+
+    ``--input-len``/``--output-len`` fix the lengths exactly; with both and a synthetic arrival
+    process the trace is not read, and with ``--prompts random`` no dataset is needed at all."""
+    fixed = args.input_len is not None and args.output_len is not None
+    if args.arrival == "trace" or not fixed:
+        rows = window(load_trace(args.trace, args.datasets_dir), args.trace_start, args.duration, args.num_requests)
+        if not rows:
+            raise ValueError(f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) "
+                             f"holds no requests")
     if args.arrival == "trace":
         if rate:
             rows = scale_to_rate(rows, rate)
@@ -61,10 +72,12 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
         n = args.num_requests
         arrivals = (poisson_arrivals(rate, n, args.seed) if args.arrival == "poisson"
                     else gamma_arrivals(rate, n, args.burstiness, args.seed))
-        lengths = sample_lengths(rows, n, args.seed)
-    lengths = [clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens, args.max_output_tokens)
-               for i, o in lengths]
-    pool = PromptPool(load_prompts(args.prompts.split(","), args.datasets_dir), tokenizer, args.seed)
+        lengths = [(args.input_len, args.output_len)] * n if fixed else sample_lengths(rows, n, args.seed)
+    if not fixed:
+        lengths = [clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens,
+                                args.max_output_tokens) for i, o in lengths]
+    lengths = fix_lengths(lengths, max_model_len, args.input_len, args.output_len)
+    pool = make_prompt_pool(args.prompts, tokenizer, args.seed, args.datasets_dir)
     return build_workload(arrivals, lengths, pool, args.seed)
 
 
@@ -153,7 +166,7 @@ def cmd_bench(args) -> int:
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
         summary = summarize(records, slo, duration_s=elapsed if interrupted else None)
         summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
-                       scheduled=len(specs), interrupted=interrupted)
+                       scheduled=len(specs), interrupted=interrupted, arrival=args.arrival, prompts=args.prompts)
         write_results(Path(args.out), records, summary)
         rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
         print_summary(summary, f"{info.placement} @ {rate}")

@@ -7,6 +7,9 @@ into token ids of an exact length, so a replayed trace sends prompts whose
 lengths match the trace: the load generator sends ids, not text, because
 re-tokenizing cut text does not give a stable count.
 
+:class:`RandomPromptPool` (``--prompts random``) needs no dataset: uniformly random token ids,
+like vLLM's "random" benchmark dataset.
+
 Torch-free: only :mod:`pdserve.engine.text.tokenizer` (``tokenizers``) and the standard library.
 """
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any, Callable, Iterable, Sequence
 from pdserve.bench.workload import dataset_file
 from pdserve.engine.text.tokenizer import Tokenizer
 
-__all__ = ["PROMPT_SETS", "load_prompts", "PromptPool"]
+__all__ = ["PROMPT_SETS", "RANDOM_PROMPTS", "load_prompts", "PromptPool", "RandomPromptPool", "make_prompt_pool"]
+
+RANDOM_PROMPTS = "random"  # synthetic prompts: random token ids, no dataset
 
 
 def _json_lines(path: Path) -> Iterable[dict[str, Any]]:
@@ -163,3 +168,49 @@ class PromptPool:
             ids += self.separator_ids
             ids += self.ids(self._pick(rng))
         return tuple(ids[:num_tokens]), self.prompts[first][0]
+
+
+class RandomPromptPool:
+    """Synthetic prompts: uniformly random token ids of an exact length.
+
+    ``make(n, rng)`` returns the tokenizer's special prefix (BOS, when it adds one) followed by
+    ids drawn uniformly from the vocabulary without its special and EOS ids, cut to exactly ``n``:
+    vLLM's "random" benchmark dataset, sent as ids so the count stays exact.
+    """
+
+    name = RANDOM_PROMPTS
+
+    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+        self.prefix = _special_prefix(tokenizer)
+        excluded = set(tokenizer.special_token_ids) | set(tokenizer.eos_token_ids)
+        if tokenizer.bos_token_id is not None:
+            excluded.add(tokenizer.bos_token_id)
+        self.allowed = [i for i in range(tokenizer.vocab_size) if i not in excluded]
+        if not self.allowed:
+            raise ValueError("the tokenizer has no ordinary (non-special) token ids to draw from")
+        self._rng = random.Random(seed)
+
+    def make(self, num_tokens: int, rng: random.Random | None = None) -> tuple[tuple[int, ...], str]:
+        """(exactly ``num_tokens`` token ids, ``"random"``)."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        rng = self._rng if rng is None else rng
+        body = max(0, num_tokens - len(self.prefix))
+        ids = list(self.prefix) + [self.allowed[rng.randrange(len(self.allowed))] for _ in range(body)]
+        return tuple(ids[:num_tokens]), self.name
+
+
+def make_prompt_pool(names: str | Sequence[str], tokenizer: Tokenizer, seed: int,
+                     datasets_dir: str | Path | None = None) -> PromptPool | RandomPromptPool:
+    """The pool for ``--prompts``: comma-separated prompt-set names, or ``random`` alone.
+
+    ValueError when ``random`` is mixed with prompt sets, or (from :func:`load_prompts`) for an
+    unknown name.
+    """
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if RANDOM_PROMPTS in names:
+        if len(set(names)) > 1:
+            raise ValueError(f"--prompts {RANDOM_PROMPTS} cannot be mixed with prompt sets, got {','.join(names)}")
+        return RandomPromptPool(tokenizer, seed)
+    return PromptPool(load_prompts(names, datasets_dir), tokenizer, seed)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TraceRow", "TRACES", "RequestSpec", "resolve_datasets_dir", "dataset_file", "load_trace",
            "window", "scale_to_rate", "poisson_arrivals", "gamma_arrivals", "clip_lengths",
-           "sample_lengths", "build_workload"]
+           "sample_lengths", "fix_lengths", "build_workload"]
 
 DATASETS_ENV = "PDSERVE_DATASETS"
 TRACES = {"azure-conv": "azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv",
@@ -245,6 +245,34 @@ def sample_lengths(rows: Sequence[TraceRow], n: int, seed: int) -> list[tuple[in
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
     return [(r.input_tokens, r.output_tokens) for r in rng.choices(rows, k=n)]
+
+
+def fix_lengths(lengths: Sequence[tuple[int, int]], max_model_len: int, input_len: int | None = None,
+                output_len: int | None = None) -> list[tuple[int, int]]:
+    """``lengths`` with the input and/or the output replaced by a fixed count, kept exact.
+
+    A side without a fixed count keeps its (already clipped) length, trimmed (down to 1) so the
+    pair fits ``max_model_len``. ValueError for a fixed count < 1 or fixed counts that do not fit.
+    """
+    for name, value in (("input_len", input_len), ("output_len", output_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    need = (input_len or 1) + (output_len or 1)
+    if need > max_model_len:
+        raise ValueError(f"fixed lengths (input {input_len}, output {output_len}) need {need} tokens, "
+                         f"more than the model's {max_model_len}")
+    out = []
+    for inp, outp in lengths:
+        if input_len is not None:
+            inp = input_len
+        if output_len is not None:
+            outp = output_len
+        if input_len is None:
+            inp = max(1, min(inp, max_model_len - outp))
+        if output_len is None:
+            outp = max(1, min(outp, max_model_len - inp))
+        out.append((inp, outp))
+    return out
 
 
 def build_workload(arrivals: Sequence[float], lengths: Sequence[tuple[int, int]], prompts: PromptPool,
