@@ -3,11 +3,13 @@
 For each dtype and prompt length it prefills one prompt on ``embedded:llama-80m`` and times, with
 min-of-N, every stage of the hand-off on its own and the whole hand-off end to end:
 
-- ``read``:   ``ModelRunner.read_kv`` out of the prefill engine's paged cache
+- ``read``:   ``ModelRunner.read_kv`` out of the prefill engine's paged cache (into the prefill worker's
+              reused host buffers, where it has them)
 - ``pack``:   serialising the payload the way the prefill worker does (header, tensor bytes, checksum)
 - ``push``:   chunking + gRPC ``PushKv`` of a packed frame, until the decode worker holds the decoded
               payload (a decoder that checks and copies chunks as they arrive does ``unpack``'s work here)
-- ``unpack``: ``unpack_kv`` of a whole frame (all checks, checksum, copy into the tensor)
+- ``unpack``: decoding a whole frame (all checks, checksum, copy into the tensor; into the decode
+              worker's reused host buffers, where it has them)
 - ``write``:  ``ModelRunner.write_kv`` into the decode engine's paged cache (on its engine thread)
 - ``e2e``:    read + the prefill worker's push (``PrefillWorker._push``) to a real decode worker server
               on 127.0.0.1, which decodes and admits the KV before PushKv returns.  GB/s and the TTFT
@@ -38,6 +40,7 @@ import pdserve.decode_worker.worker as decode
 import pdserve.prefill_worker.worker as prefill_mod
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv import codec
 from pdserve.engine.kv.codec import KvPayload, pack_kv, unpack_kv
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
@@ -74,6 +77,25 @@ class Arrival:
         await self.inner(arg)
 
 
+def read_stage(runner, seq: Sequence, n: int, buffers):
+    """One read_kv as the prefill worker does it (its buffer goes back after the push)."""
+    if buffers is None:
+        return lambda: runner.read_kv(seq, n)
+    return lambda: buffers.give(runner.read_kv(seq, n, buffers.take))
+
+
+def unpack_stage(frame: bytes, fp, buffers):
+    """One decode of ``frame`` as the decode worker does it (its buffer goes back after admission)."""
+    if buffers is None:
+        return lambda: unpack_kv(frame, fp)
+
+    def run():
+        decoder = codec.KvDecoder(fp, alloc=buffers.take)
+        decoder.add(frame)
+        buffers.give(decoder.finish().kv)
+    return run
+
+
 def prefill(engine: Engine, rid: str, ids: list[int]) -> tuple[Sequence, float]:
     """Prefill ``ids`` alone; returns the sequence (still holding its blocks) and the step's ms."""
     seq = engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=2))
@@ -99,6 +121,10 @@ async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, se
     arrival = Arrival(server.worker)
     sender = GrpcKvSender(args.chunk_bytes) if args.chunk_bytes else GrpcKvSender()
     pworker = prefill_mod.PrefillWorker(engine, sender)  # not served: only its _push is used
+    buffers = getattr(pworker, "kv_buffers", None)
+
+    def read_kv(seq, n):
+        return engine.runner.read_kv(seq, n) if buffers is None else engine.runner.read_kv(seq, n, buffers.take)
     channel = grpc.aio.insecure_channel(server.address)
     stub = worker_pb2_grpc.DecodeServiceStub(channel)
     push, e2e = float("inf"), float("inf")
@@ -115,7 +141,7 @@ async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, se
                     push = min(push, arrival.at - t0)
                 else:
                     t0 = time.perf_counter()
-                    kv = await asyncio.to_thread(engine.runner.read_kv, seq, n)  # extract_kv, engine thread
+                    kv = await asyncio.to_thread(read_kv, seq, n)  # extract_kv, on the engine thread
                     await pworker._push(server.address, KvPayload(rid, *_rest(payload, kv)))
                     e2e = min(e2e, time.perf_counter() - t0)
                 tokens = [t for batch in [b async for b in stream] for t in batch.token_ids]
@@ -152,9 +178,11 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
             payload = KvPayload(seq.request_id, engine.fingerprint, ids, seq.token_ids[-1],
                                 seq.sampling.to_dict(), kv)
             frame = pack_kv(payload)
-            st = {"read": best_ms(lambda: runner.read_kv(seq, n), args.repeats),
+            pbuf = getattr(prefill_mod.PrefillWorker(engine, None), "kv_buffers", None)  # the workers' own
+            dbuf = getattr(server.worker, "kv_buffers", None)
+            st = {"read": best_ms(read_stage(runner, seq, n, pbuf), args.repeats),
                   "pack": best_ms(lambda: SERIALIZE(payload), args.repeats),
-                  "unpack": best_ms(lambda: unpack_kv(frame, engine.fingerprint), args.repeats)}
+                  "unpack": best_ms(unpack_stage(frame, engine.fingerprint, dbuf), args.repeats)}
             st["write"] = await asyncio.wrap_future(
                 server.worker.host.loop.submit(lambda e: write_ms(e, kv, ids, args.repeats)))
             st["push"], e2e = await handoffs(n, seq, payload, engine, server, args)

@@ -8,6 +8,7 @@ import time
 import grpc
 
 from pdserve.engine.engine import Engine, KvCacheFullError
+from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens
@@ -33,6 +34,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self.engine = engine
         self.kv_timeout_s = kv_timeout_s
         self.limits = limits
+        self.kv_buffers = HostBuffers()  # tensors of admitted KV, reused by the next pushes
         self.host = EngineHost(engine, extra_stats=lambda: {
             "num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())})
         self._pending: dict[str, asyncio.Future] = {}
@@ -120,7 +122,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
         # Chunks are decoded as they arrive: a bad header is refused at once, and each chunk's bytes
         # are checksummed and copied into the KV tensor while the next ones are still in flight.
-        decoder = KvDecoder(self.engine.fingerprint, self.limits)
+        decoder = KvDecoder(self.engine.fingerprint, self.limits, self.kv_buffers.take)
         rid = None
         try:
             async for chunk in request_iterator:
@@ -130,7 +132,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                         await context.abort(grpc.StatusCode.NOT_FOUND,
                                             f"no decode stream is waiting for request {rid!r}")
                 decoder.add(chunk.data)
-            await self.admit(decoder.finish())
+            payload = decoder.finish()
+            await self.admit(payload)
+            self.kv_buffers.give(payload.kv)  # written into the cache (admit_kv has returned)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # every failure also ends the waiting Decode stream at once

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,10 +115,10 @@ class Engine:
         self.scheduler.admit_running(seq)
         return seq
 
-    def extract_kv(self, seq: Sequence) -> KvPayload:
+    def extract_kv(self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None) -> KvPayload:
         """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
-        token) and the last token as ``first_token``. Frees its blocks."""
-        kv = self.runner.read_kv(seq, seq.num_tokens - 1)
+        token) and the last token as ``first_token``. Frees its blocks. ``alloc``: see ``ModelRunner.read_kv``."""
+        kv = self.runner.read_kv(seq, seq.num_tokens - 1, alloc)
         payload = KvPayload(seq.request_id, self.fingerprint, seq.token_ids[:-1], seq.token_ids[-1],
                             seq.sampling.to_dict(), kv)
         self.scheduler.finish(seq)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,18 +97,27 @@ class ModelRunner:
             raise ValueError(f"{n} positions need {full + (rest > 0)} blocks; {seq.request_id} has {len(table)}")
         return (self._tensor(table[:full], torch.int64) if full else None), full, rest
 
-    def read_kv(self, seq: Sequence, num_positions: int) -> torch.Tensor:
+    def read_kv(self, seq: Sequence, num_positions: int,
+                alloc: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Copy positions 0..num_positions-1 of ``seq`` out of the cache: [num_layers, 2, n, kv_heads, head_dim] on CPU.
 
-        Copies block by block (whole blocks in one ``index_select``), not slot by slot."""
+        Copies block by block (whole blocks in one ``index_select``), not slot by slot.  ``alloc(nbytes)``
+        gives the CPU memory to copy into (a uint8 tensor of ``nbytes``; default: a new tensor)."""
         idx, full, rest = self._block_index(seq, num_positions)
         bs, cache = self.cfg.block_size, self.kv_cache
-        out = torch.empty(*cache.shape[:2], num_positions, *cache.shape[4:], dtype=cache.dtype, device=cache.device)
+        shape = (*cache.shape[:2], num_positions, *cache.shape[4:])
+        host = None if alloc is None else alloc(math.prod(shape) * cache.element_size()).view(cache.dtype).view(shape)
+        out = host if host is not None and cache.device.type == "cpu" else torch.empty(
+            shape, dtype=cache.dtype, device=cache.device)
         if idx is not None:
             torch.index_select(cache, 2, idx, out=out[:, :, : full * bs].unflatten(2, (full, bs)))
         if rest:
             out[:, :, full * bs :].copy_(cache[:, :, seq.block_table[full], :rest])
-        return out.cpu()
+        if host is None:
+            return out.cpu()
+        if out is not host:  # gathered on the device: one copy into the host memory
+            host.copy_(out)
+        return host
 
     def write_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
         """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions 0..n-1 of ``seq``, block by block."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.engine import Engine, StepOutput
+from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.scheduling.sequence import FinishReason
@@ -35,7 +36,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     """Composes an EngineHost (engine + its thread) and a KvSender.
 
     After each prefill step every sequence leaves the engine at once (``Engine.extract_kv``), so its
-    blocks are free before the next step and this engine never runs a decode step.
+    blocks are free before the next step and this engine never runs a decode step. The KV is copied
+    into host buffers that are reused once a push succeeded (``kv_buffers``).
     """
 
     role = "prefill"
@@ -43,6 +45,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: Engine, kv_sender: KvSender) -> None:
         self.engine = engine
         self.kv_sender = kv_sender
+        self.kv_buffers = HostBuffers()
         self.host = EngineHost(engine, self._on_outputs)
         self._pushes: set[asyncio.Task] = set()
 
@@ -50,7 +53,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         wall = time.time_ns()
         for out in outputs:
             seq = out.seq
-            payload = None if seq.is_finished else self.engine.extract_kv(seq)
+            payload = None if seq.is_finished else self.engine.extract_kv(seq, self.kv_buffers.take)
             if payload is not None:
                 payload.first_token_unix_ns = wall
             self.host.streams.put(seq.request_id, PrefillDone(
@@ -85,6 +88,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             await self.kv_sender.send_kv(target, payload.request_id, frame)
         except KvTransferError as exc:
             log.warning("%s", exc)
+        else:  # the call is over: nothing reads the tensor any more (after a failure, let it go)
+            self.kv_buffers.give(payload.kv)
 
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -192,10 +192,13 @@ class KvDecoder:
     tensor bytes travel and nothing is allocated before the header passed.  Tensor bytes are then
     checksummed and copied once, into the tensor's own buffer, as they arrive.  Every error is a
     KvCodecError with :func:`unpack_kv`'s messages; a decoder that raised must be dropped.
+    ``alloc(nbytes)`` returns that buffer (a uint8 CPU tensor of ``nbytes``; default ``torch.empty``).
     """
 
-    def __init__(self, expected: ModelFingerprint, limits: KvLimits = KvLimits()) -> None:
+    def __init__(self, expected: ModelFingerprint, limits: KvLimits = KvLimits(),
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         self._expected, self._limits = expected, limits
+        self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         self._head = bytearray()  # prefix, then prefix + header, until the header is parsed
         self._hlen: int | None = None
         self._header: dict | None = None
@@ -241,7 +244,7 @@ class KvDecoder:
     def _start_body(self) -> None:
         self._header = _parse_header(memoryview(self._head)[PREFIX_BYTES:], self._expected, self._limits)
         self._head = bytearray()
-        self._buf = torch.empty(self._header["nbytes"], dtype=torch.uint8)  # size checked by _parse_header
+        self._buf = self._alloc(self._header["nbytes"])  # size checked by _parse_header
         self._dst = memoryview(self._buf.numpy())
 
     def finish(self) -> KvPayload:

@@ -81,3 +81,18 @@ def test_write_kv_casts_and_refuses_short_block_tables(runner):
         runner.read_kv(seq, n)
     with pytest.raises(ValueError, match=f"{n} positions need 2 blocks"):
         runner.write_kv(seq, kv)
+
+
+def test_read_kv_copies_into_the_given_memory(runner):
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape))
+    n = 2 * runner.cfg.block_size + 1
+    seq = make_seq(runner, n, seed=3)
+    given = []
+
+    def alloc(nbytes):
+        given.append(torch.empty(nbytes + 64, dtype=torch.uint8)[:nbytes])
+        return given[-1]
+
+    kv = runner.read_kv(seq, n, alloc)
+    assert kv.data_ptr() == given[0].data_ptr() and kv.nbytes == given[0].numel()
+    assert torch.equal(kv, runner.kv_cache.flatten(2, 3)[:, :, slots(runner, seq, n)])

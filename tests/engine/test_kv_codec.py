@@ -371,7 +371,8 @@ def test_decoder_checks_as_bytes_arrive():
     for piece in [head, body[:10], body[10:]]:
         dec.add(piece)
     assert dec.received == len(head) + len(body)
-    with pytest.raises(KvCodecError, match=f"trailing bytes: expected {len(body)} bytes of tensor data, got {len(body) + 2}"):
+    trailing = f"trailing bytes: expected {len(body)} bytes of tensor data, got {len(body) + 2}"
+    with pytest.raises(KvCodecError, match=trailing):
         dec.add(b"xx")
     with pytest.raises(KvCodecError, match="bad magic"):
         KvDecoder(fp).add(b"GET / HTTP/1.1\r\n")

@@ -34,6 +34,25 @@ async def test_concurrent_greedy_matches_transformers(model_dir, placement):
         assert await pipe.wait_idle() == 0
 
 
+async def test_reused_kv_buffers_never_mix_requests(embedded_dir):
+    """Split placement with every hand-off's host buffers reused (min_bytes=1, two cached): concurrent
+    requests still decode from exactly their own KV."""
+    from pdserve.engine.kv.buffers import HostBuffers
+
+    tok = Tokenizer.from_folder(embedded_dir)
+    ids = [tok.encode(p) for p in mixed_prompts()]
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        for w in pipe.workers:
+            w.worker.kv_buffers = HostBuffers(min_bytes=1, max_buffers=2)
+        for _ in range(2):
+            results = await asyncio.gather(*[
+                client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids])
+            for prompt_ids, res in zip(ids, results):
+                assert res.token_ids == hf_greedy(embedded_dir, prompt_ids, 24), tok.decode(prompt_ids)
+        assert all(w.worker.kv_buffers.reused > 0 for w in pipe.workers)
+        assert await pipe.wait_idle() == 0
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_stories_reference_continuations(stories_dir, placement):
     async with local_pipeline(stories_dir, placement) as pipe, Client(pipe.address) as client:
