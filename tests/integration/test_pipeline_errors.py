@@ -44,13 +44,14 @@ async def test_bad_requests_get_invalid_argument_and_service_continues(embedded_
 
 async def test_duplicate_request_id_refused(embedded_dir):
     async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
-        first = asyncio.create_task(client.generate(make_request("a", max_tokens=200, ignore_eos=True,
-                                                                 request_id="dup")))
-        await asyncio.sleep(0.3)
+        # in flight for sure: its first tokens arrived, and 1,500 more take far longer than one refusal
+        first = client.stream(make_request("a", max_tokens=1500, ignore_eos=True, request_id="dup"))
+        head = await anext(first)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await client.generate(make_request("b", max_tokens=2, request_id="dup"))
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        assert len((await first).token_ids) == 200
+        rest = [m async for m in first]
+        assert sum(len(m.chunk.token_ids) for m in [head, *rest] if m.HasField("chunk")) == 1500
 
 
 @pytest.mark.parametrize("placement", ["split", "colocated"])
