@@ -88,31 +88,41 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return sample(logits, [s.sampling for s in seqs], [s.num_output_tokens for s in seqs])
 
-    def _block_index(self, seq: Sequence, n: int) -> tuple[torch.Tensor | None, int, int]:
-        """Positions 0..n-1 of ``seq`` as (device index of its first ``full`` blocks, full, rest): they fill
-        ``full`` whole blocks, then ``rest`` slots of block ``seq.block_table[full]``."""
-        full, rest = divmod(n, self.cfg.block_size)
-        table = seq.block_table
-        if len(table) < full + (rest > 0):
-            raise ValueError(f"{n} positions need {full + (rest > 0)} blocks; {seq.request_id} has {len(table)}")
-        return (self._tensor(table[:full], torch.int64) if full else None), full, rest
+    def _runs(self, seq: Sequence, n: int) -> list[tuple[int, int, int]]:
+        """Positions 0..n-1 of ``seq`` as runs over consecutive block ids: (first position, end position,
+        first block). They fill whole blocks, the last one possibly in part."""
+        bs, table = self.cfg.block_size, seq.block_table
+        num_blocks = -(-n // bs)
+        if len(table) < num_blocks:
+            raise ValueError(f"{n} positions need {num_blocks} blocks; {seq.request_id} has {len(table)}")
+        runs, i = [], 0
+        while i < num_blocks:
+            j = i + 1
+            while j < num_blocks and table[j] == table[j - 1] + 1:
+                j += 1
+            runs.append((i * bs, min(j * bs, n), table[i]))
+            i = j
+        return runs
+
+    def _blocks(self, p0: int, p1: int, block: int) -> torch.Tensor:
+        """The cache slots of positions p0..p1-1 of a run starting at ``block``: [L, 2, p1 - p0, kv_heads, D]."""
+        count = -(-(p1 - p0) // self.cfg.block_size)
+        return self.kv_cache[:, :, block : block + count].flatten(2, 3)[:, :, : p1 - p0]
 
     def read_kv(self, seq: Sequence, num_positions: int,
                 alloc: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Copy positions 0..num_positions-1 of ``seq`` out of the cache: [num_layers, 2, n, kv_heads, head_dim] on CPU.
 
-        Copies block by block (whole blocks in one ``index_select``), not slot by slot.  ``alloc(nbytes)``
-        gives the CPU memory to copy into (a uint8 tensor of ``nbytes``; default: a new tensor)."""
-        idx, full, rest = self._block_index(seq, num_positions)
-        bs, cache = self.cfg.block_size, self.kv_cache
+        Copies whole blocks, one slice copy per run of consecutive block ids, not slot by slot.
+        ``alloc(nbytes)`` gives the CPU memory to copy into (a uint8 tensor of ``nbytes``; default: a new
+        tensor)."""
+        runs, cache = self._runs(seq, num_positions), self.kv_cache
         shape = (*cache.shape[:2], num_positions, *cache.shape[4:])
         host = None if alloc is None else alloc(math.prod(shape) * cache.element_size()).view(cache.dtype).view(shape)
         out = host if host is not None and cache.device.type == "cpu" else torch.empty(
             shape, dtype=cache.dtype, device=cache.device)
-        if idx is not None:
-            torch.index_select(cache, 2, idx, out=out[:, :, : full * bs].unflatten(2, (full, bs)))
-        if rest:
-            out[:, :, full * bs :].copy_(cache[:, :, seq.block_table[full], :rest])
+        for p0, p1, block in runs:
+            out[:, :, p0:p1].copy_(self._blocks(p0, p1, block))
         if host is None:
             return out.cpu()
         if out is not host:  # gathered on the device: one copy into the host memory
@@ -120,11 +130,8 @@ class ModelRunner:
         return host
 
     def write_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
-        """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions 0..n-1 of ``seq``, block by block."""
-        idx, full, rest = self._block_index(seq, kv.shape[2])
-        bs, cache = self.cfg.block_size, self.kv_cache
-        kv = kv.to(device=cache.device, dtype=cache.dtype)
-        if idx is not None:
-            cache.index_copy_(2, idx, kv[:, :, : full * bs].unflatten(2, (full, bs)))
-        if rest:
-            cache[:, :, seq.block_table[full], :rest].copy_(kv[:, :, full * bs :])
+        """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions 0..n-1 of ``seq``, one slice
+        copy per run of consecutive block ids."""
+        kv = kv.to(device=self.kv_cache.device, dtype=self.kv_cache.dtype)
+        for p0, p1, block in self._runs(seq, kv.shape[2]):
+            self._blocks(p0, p1, block).copy_(kv[:, :, p0:p1])

@@ -22,10 +22,18 @@ def runner(request, embedded_dir) -> ModelRunner:
 
 
 def make_seq(runner: ModelRunner, n: int, seed: int) -> Sequence:
-    """A sequence of n positions whose blocks are scattered over the cache, in random order."""
+    """A sequence of n positions whose blocks lie over the cache in random order: scattered for even
+    seeds, in runs of consecutive ids (as a fresh allocator hands them out) for odd ones."""
     seq = Sequence.new("r", list(range(n)), SamplingParams(), [])
     blocks = -(-n // runner.cfg.block_size)
-    seq.block_table = random.Random(seed).sample(range(NUM_BLOCKS), blocks)
+    rng = random.Random(seed)
+    if seed % 2 == 0:
+        seq.block_table = rng.sample(range(NUM_BLOCKS), blocks)
+    else:  # e.g. [17, 18, 19, 4, 5, 30, ...]: runs of up to 4 blocks at shuffled places
+        starts = rng.sample(range(0, NUM_BLOCKS, 4), NUM_BLOCKS // 4)
+        ids = [b for s in starts for b in range(s, s + rng.randint(1, 4))]
+        seq.block_table = ids[:blocks]
+    assert len(set(seq.block_table)) == len(seq.block_table) == blocks
     return seq
 
 
@@ -42,8 +50,8 @@ def lengths(runner: ModelRunner) -> list[int]:
 def test_read_kv_equals_per_slot_gather(runner):
     dtype = runner.kv_cache.dtype
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape))
-    for i, n in enumerate(lengths(runner)):
-        seq = make_seq(runner, n, seed=i)
+    for i, n in enumerate(lengths(runner) * 2):
+        seq = make_seq(runner, n, seed=i // len(lengths(runner)) + 2 * i)  # each n scattered and in runs
         want = runner.kv_cache.flatten(2, 3)[:, :, slots(runner, seq, n)]
         got = runner.read_kv(seq, n)
         assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
@@ -54,9 +62,9 @@ def test_read_kv_equals_per_slot_gather(runner):
 
 def test_write_kv_touches_exactly_the_sequence_slots(runner):
     dtype = runner.kv_cache.dtype
-    for i, n in enumerate(lengths(runner)):
+    for i, n in enumerate(lengths(runner) * 2):
         runner.kv_cache.zero_()
-        seq = make_seq(runner, n, seed=100 + i)
+        seq = make_seq(runner, n, seed=i // len(lengths(runner)) + 2 * i + 100)
         shape = (*runner.kv_cache.shape[:2], n, *runner.kv_cache.shape[4:])
         kv = torch.randn(shape).to(dtype) + 3  # never zero
         runner.write_kv(seq, kv)
