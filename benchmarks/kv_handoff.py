@@ -17,11 +17,13 @@ min-of-N, every stage of the hand-off on its own and the whole hand-off end to e
 
 TTFT is the prefill time of the same prompt (min-of-N, measured in this run) plus ``e2e``.  The
 decode worker runs in this process (like the integration tests), on its own engine thread and gRPC
-server; lengths are capped at the model's context minus 2 (one more token is decoded after the
-hand-off).  The machine may be shared: only the minimum of N runs is reported.
+server; with ``--decode-process`` the ``e2e`` hand-offs go to a decode worker in a child process
+instead, as in split placement (the stage columns are still measured here).  Lengths are capped at
+the model's context minus 2 (one more token is decoded after the hand-off).  The machine may be
+shared: only the minimum of N runs is reported.
 
     python benchmarks/kv_handoff.py                       # 256/1024/4096 tokens, float32 + bfloat16
-    python benchmarks/kv_handoff.py --lengths 1024 --dtypes bfloat16 --repeats 30
+    python benchmarks/kv_handoff.py --lengths 1024 --dtypes bfloat16 --repeats 30 --decode-process
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import asyncio
 import json
 import random
+import subprocess
 import sys
 import time
 
@@ -116,8 +119,10 @@ def write_ms(engine: Engine, kv: torch.Tensor, ids: list[int], repeats: int) -> 
         engine.blocks.free(seq)
 
 
-async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, server, args) -> tuple[float, float]:
-    """Min-of-N ms of ``push`` (a packed frame) and ``e2e`` (read + the prefill worker's push)."""
+async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, server, e2e_address: str,
+                   args) -> tuple[float, float]:
+    """Min-of-N ms of ``push`` (a packed frame, to ``server``) and ``e2e`` (read + the prefill worker's
+    push, to the decode worker at ``e2e_address``)."""
     arrival = Arrival(server.worker)
     sender = GrpcKvSender(args.chunk_bytes) if args.chunk_bytes else GrpcKvSender()
     pworker = prefill_mod.PrefillWorker(engine, sender)  # not served: only its _push is used
@@ -125,13 +130,13 @@ async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, se
 
     def read_kv(seq, n):
         return engine.runner.read_kv(seq, n) if buffers is None else engine.runner.read_kv(seq, n, buffers.take)
-    channel = grpc.aio.insecure_channel(server.address)
-    stub = worker_pb2_grpc.DecodeServiceStub(channel)
+    channels = {a: grpc.aio.insecure_channel(a) for a in {server.address, e2e_address}}
     push, e2e = float("inf"), float("inf")
     try:
         for i in range(args.repeats):
-            for mode in ("push", "e2e"):
+            for mode, address in (("push", server.address), ("e2e", e2e_address)):
                 rid = f"d{n}-{mode}-{i}"
+                stub = worker_pb2_grpc.DecodeServiceStub(channels[address])
                 stream = stub.Decode(worker_pb2.DecodeRequest(request_id=rid, kv_timeout_s=60))
                 await stream.initial_metadata()
                 if mode == "push":
@@ -142,12 +147,13 @@ async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, se
                 else:
                     t0 = time.perf_counter()
                     kv = await asyncio.to_thread(read_kv, seq, n)  # extract_kv, on the engine thread
-                    await pworker._push(server.address, KvPayload(rid, *_rest(payload, kv)))
+                    await pworker._push(address, KvPayload(rid, *_rest(payload, kv)))
                     e2e = min(e2e, time.perf_counter() - t0)
                 tokens = [t for batch in [b async for b in stream] for t in batch.token_ids]
                 assert len(tokens) == 1, f"hand-off of {rid} failed"
     finally:
-        await channel.close()
+        for channel in channels.values():
+            await channel.close()
         await sender.close()
     return push * 1e3, e2e * 1e3
 
@@ -156,13 +162,37 @@ def _rest(p: KvPayload, kv: torch.Tensor | None = None) -> tuple:
     return p.fingerprint, p.token_ids, p.first_token, p.sampling, p.kv if kv is None else kv
 
 
+def engine_config(dtype: str, max_len: int, args) -> EngineConfig:
+    return EngineConfig(model=MODEL, dtype=dtype, block_size=args.block_size,
+                        num_kv_blocks=4 * (max_len // args.block_size + 2), max_num_batched_tokens=max_len,
+                        max_num_seqs=4, torch_threads=args.threads)
+
+
+async def serve_decode(args) -> None:
+    """Child process of ``--decode-process``: a decode worker; prints its address, stops at stdin EOF."""
+    server = await decode.serve(engine_config(args.dtypes, int(args.lengths), args))
+    print(server.address, flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await server.stop()
+
+
+def start_decode_process(dtype: str, max_len: int, args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, __file__, "--serve-decode", "--dtypes", dtype, "--lengths", str(max_len),
+           "--block-size", str(args.block_size)] + (["--threads", str(args.threads)] if args.threads else [])
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    address = child.stdout.readline().strip()
+    if not address:
+        child.kill()
+        raise RuntimeError(f"decode worker process failed to start: {' '.join(cmd)}")
+    return child, address
+
+
 async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
     max_len = max(lengths)
-    cfg = EngineConfig(model=MODEL, dtype=dtype, block_size=args.block_size,
-                       num_kv_blocks=4 * (max_len // args.block_size + 2), max_num_batched_tokens=max_len,
-                       max_num_seqs=4, torch_threads=args.threads)
+    cfg = engine_config(dtype, max_len, args)
     engine = await asyncio.to_thread(Engine, cfg)
     server = await decode.serve(cfg)
+    child, e2e_address = start_decode_process(dtype, max_len, args) if args.decode_process else (None, server.address)
     rows, rng = [], random.Random(0)
     try:
         for n in lengths:
@@ -185,7 +215,7 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
                   "unpack": best_ms(unpack_stage(frame, engine.fingerprint, dbuf), args.repeats)}
             st["write"] = await asyncio.wrap_future(
                 server.worker.host.loop.submit(lambda e: write_ms(e, kv, ids, args.repeats)))
-            st["push"], e2e = await handoffs(n, seq, payload, engine, server, args)
+            st["push"], e2e = await handoffs(n, seq, payload, engine, server, e2e_address, args)
             engine.scheduler.finish(seq)
             nbytes = kv.numel() * kv.element_size()
             rows.append({"dtype": dtype, "tokens": n, "bytes": nbytes, **st, "e2e": e2e,
@@ -193,6 +223,9 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
             print_row(rows[-1])
     finally:
         await server.stop()
+        if child is not None:
+            child.stdin.close()
+            child.wait(30)
     return rows
 
 
@@ -215,12 +248,18 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-bytes", type=int, default=0, help="KV chunk size (default: GrpcKvSender's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--decode-process", action="store_true", help="e2e to a decode worker in a child process")
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--serve-decode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.serve_decode:
+        await serve_decode(args)
+        return 0
     ctx = ModelConfig.from_folder(resolve_model_dir(MODEL)).max_position_embeddings
     lengths = [min(int(x), ctx - 2) for x in args.lengths.split(",")]
+    where = "a decode worker process" if args.decode_process else "this process"
     print(f"{MODEL}, block_size {args.block_size}, min of {args.repeats} (prefill: {args.prefill_repeats}); "
-          f"stage times in ms", flush=True)
+          f"stage times in ms; e2e to {where}", flush=True)
     print(HEADER)
     rows = []
     for dtype in args.dtypes.split(","):
