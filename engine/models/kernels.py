@@ -22,7 +22,9 @@ from pathlib import Path
 
 from pdserve.engine.models.embedded import default_cache_dir
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "elementwise_bf16.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise_bf16.cpp")
+HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F, _N = ctypes.c_float, ctypes.c_int
@@ -71,7 +73,7 @@ def load_cpu_kernels() -> ctypes.CDLL:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found ($CXX or g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    texts = [p.read_text() for p in SOURCES]
+    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
     path = default_cache_dir() / "kernels" / f"pdserve-cpu-{key[:16]}.so"
     if not path.is_file():

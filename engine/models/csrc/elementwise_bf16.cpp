@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace {
 
 inline float bf(uint16_t x) {
@@ -69,7 +71,7 @@ void pdserve_silu_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows,
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       const float x = bf(g[i]);
-      o[i] = to_bf(round_bf(x / (1.f + std::exp(-x))) * bf(u[i]));
+      o[i] = to_bf(round_bf(x / (1.f + pdserve::exp_approx(-x))) * bf(u[i]));
     }
   }
 }

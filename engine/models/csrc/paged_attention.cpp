@@ -19,6 +19,8 @@
 // and called through ctypes; OpenMP resolves to the libgomp torch has already loaded.
 #include <algorithm>
 #include <type_traits>
+
+#include "vec_math.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -53,8 +55,98 @@ inline void store(_Float16* p, int64_t i, float x) { p[i] = static_cast<_Float16
 constexpr int kMaxGroups = 16;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 constexpr int kChunk = 32;  // KV positions scored before one softmax update
+constexpr int kMaxItemHeads = 8;  // KV heads one work item walks together
 
 // kHeadDim > 0 fixes head_dim at compile time so the accumulators stay in vector registers.
+// The running state of one KV head's query group for one sequence.
+template <typename T, int kHeadDim>
+struct HeadState {
+  float qf[kMaxGroups][kMaxHeadDim], acc[kMaxGroups][kMaxHeadDim], m[kMaxGroups], l[kMaxGroups];
+#if defined(__AVX512BF16__)
+  __m512bh qb[kMaxGroups][kMaxHeadDim / 32];  // unscaled bf16 q, for the dot-product instruction
+#endif
+};
+
+template <typename T, int kHeadDim>
+constexpr bool kUseDpbf16 =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, uint16_t> && kHeadDim > 0 && kHeadDim % 32 == 0;
+#else
+    false;
+#endif
+
+template <typename T, int kHeadDim>
+void init_state(HeadState<T, kHeadDim>& st, const T* q_head, int64_t groups, int64_t head_dim, float scale) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const T* qp = q_head + g * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      st.qf[g][d] = load(qp, d) * scale;
+      st.acc[g][d] = 0.f;
+    }
+    st.m[g] = -INFINITY;
+    st.l[g] = 0.f;
+#if defined(__AVX512BF16__)
+    if constexpr (kUseDpbf16<T, kHeadDim>) {
+      for (int c = 0; c < kHeadDim / 32; ++c) st.qb[g][c] = (__m512bh)_mm512_loadu_si512(qp + 32 * c);
+    }
+#endif
+  }
+}
+
+// Fold KV positions slots[0..n) of one KV head (k/v point at that head in position 0's row) into st.
+template <typename T, int kHeadDim>
+void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* slots, int64_t n,
+                  int64_t row, int64_t groups, int64_t head_dim, float scale) {
+  float s[kMaxGroups][kChunk], x[kMaxHeadDim];
+  for (int64_t j = 0; j < n; ++j) {  // scores s = q . k
+    const T* kp = k + slots[j] * row;
+    if constexpr (kUseDpbf16<T, kHeadDim>) {
+#if defined(__AVX512BF16__)
+      __m512bh kv[kHeadDim / 32];
+      for (int c = 0; c < kHeadDim / 32; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < kHeadDim / 32; ++c) a = _mm512_dpbf16_ps(a, st.qb[g][c], kv[c]);
+        s[g][j] = _mm512_reduce_add_ps(a) * scale;
+      }
+#endif
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) x[d] = load(kp, d);
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += st.qf[g][d] * x[d];
+        s[g][j] = dot;
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {  // online softmax update
+    float mx = st.m[g];
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
+    const float corr = pdserve::exp_approx(st.m[g] - mx);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[g][j] = pdserve::exp_approx(s[g][j] - mx);
+      sum += s[g][j];
+    }
+    st.l[g] = st.l[g] * corr + sum;
+    st.m[g] = mx;
+    for (int64_t d = 0; d < head_dim; ++d) st.acc[g][d] *= corr;
+  }
+  for (int64_t j = 0; j < n; ++j) {  // acc += p . v
+    const T* vp = v + slots[j] * row;
+    for (int64_t d = 0; d < head_dim; ++d) x[d] = load(vp, d);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float p = s[g][j];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) st.acc[g][d] += p * x[d];
+    }
+  }
+}
+
+// Work items are (sequence, run of KV heads). All KV heads of a sequence in one item read each
+// position's K/V row whole and in order, which the prefetchers stream from DRAM; a batch too small
+// to keep every thread busy that way splits the heads instead.
 template <typename T, int kHeadDim>
 void decode_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                  const int32_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -63,86 +155,53 @@ void decode_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const i
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head_dim_arg;
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between consecutive KV positions
+  int64_t heads_per_item = std::min<int64_t>(num_kv_heads, kMaxItemHeads);
+  while (heads_per_item > 1 && num_seqs * (num_kv_heads / heads_per_item) < 4 * num_threads) heads_per_item /= 2;
+  while (num_kv_heads % heads_per_item) --heads_per_item;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
-    const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-    float qf[kMaxGroups][kMaxHeadDim], acc[kMaxGroups][kMaxHeadDim];
-    float m[kMaxGroups], l[kMaxGroups], s[kMaxGroups][kChunk], x[kMaxHeadDim];
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* qp = q + b * q_stride + (h * groups + g) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        qf[g][d] = load(qp, d) * scale;
-        acc[g][d] = 0.f;
-      }
-      m[g] = -INFINITY;
-      l[g] = 0.f;
-    }
-#if defined(__AVX512BF16__)
-    __m512bh qb[kMaxGroups][kMaxHeadDim / 32];  // unscaled bf16 q, for the dot-product instruction
-    if constexpr (std::is_same_v<T, uint16_t> && kHeadDim > 0 && kHeadDim % 32 == 0) {
-      for (int64_t g = 0; g < groups; ++g)
-        for (int c = 0; c < kHeadDim / 32; ++c)
-          qb[g][c] = (__m512bh)_mm512_loadu_si512(q + b * q_stride + (h * groups + g) * head_dim + 32 * c);
-    }
-#endif
+  for (int64_t item = 0; item < num_seqs * items_per_seq; ++item) {
+    const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
+    HeadState<T, kHeadDim> states[kMaxItemHeads];
+    for (int64_t i = 0; i < heads_per_item; ++i)
+      init_state(states[i], q + b * q_stride + (h0 + i) * groups * head_dim, groups, head_dim, scale);
     const int64_t ctx = context_lens[b];
     const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
     const int32_t* table = block_tables + b * max_blocks;
-    for (int64_t t0 = start; t0 < ctx; t0 += kChunk) {
+    int64_t slots[2][kChunk];
+    const auto fill = [&](int64_t* dst, int64_t t0, int64_t n) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t t = t0 + j;
+        dst[j] = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+      }
+    };
+    const int64_t span = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));  // bytes per row read
+    fill(slots[0], start, std::min<int64_t>(kChunk, ctx - start));
+    for (int64_t t0 = start, cur = 0; t0 < ctx; t0 += kChunk, cur ^= 1) {
       const int64_t n = std::min<int64_t>(kChunk, ctx - t0);
-      for (int64_t j = 0; j < n; ++j) {  // scores s = q . k
-        const int64_t t = t0 + j;
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const T* kp = k_cache + slot * row + h * head_dim;
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, uint16_t> && kHeadDim > 0 && kHeadDim % 32 == 0) {
-          __m512bh kv[kHeadDim / 32];
-          for (int c = 0; c < kHeadDim / 32; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
-          for (int64_t g = 0; g < groups; ++g) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int c = 0; c < kHeadDim / 32; ++c) acc = _mm512_dpbf16_ps(acc, qb[g][c], kv[c]);
-            s[g][j] = _mm512_reduce_add_ps(acc) * scale;
+      const int64_t next_n = std::min<int64_t>(kChunk, ctx - t0 - kChunk);
+      if (next_n > 0) {  // fetch the next chunk's rows from DRAM while this one is computed
+        fill(slots[cur ^ 1], t0 + kChunk, next_n);
+        for (int64_t j = 0; j < next_n; ++j) {
+          const char* kp = reinterpret_cast<const char*>(k_cache + slots[cur ^ 1][j] * row + h0 * head_dim);
+          const char* vp = reinterpret_cast<const char*>(v_cache + slots[cur ^ 1][j] * row + h0 * head_dim);
+          for (int64_t off = 0; off < span; off += 64) {
+            __builtin_prefetch(kp + off);
+            __builtin_prefetch(vp + off);
           }
-          continue;
-        }
-#endif
-        for (int64_t d = 0; d < head_dim; ++d) x[d] = load(kp, d);
-        for (int64_t g = 0; g < groups; ++g) {
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qf[g][d] * x[d];
-          s[g][j] = dot;
         }
       }
-      for (int64_t g = 0; g < groups; ++g) {  // online softmax update
-        float mx = m[g];
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
-        const float corr = std::exp(m[g] - mx);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          s[g][j] = std::exp(s[g][j] - mx);
-          sum += s[g][j];
-        }
-        l[g] = l[g] * corr + sum;
-        m[g] = mx;
-        for (int64_t d = 0; d < head_dim; ++d) acc[g][d] *= corr;
-      }
-      for (int64_t j = 0; j < n; ++j) {  // acc += p . v
-        const int64_t t = t0 + j;
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const T* vp = v_cache + slot * row + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) x[d] = load(vp, d);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float p = s[g][j];
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * x[d];
-        }
-      }
+      const int64_t* chunk_slots = slots[cur];
+      for (int64_t i = 0; i < heads_per_item; ++i)
+        attend_chunk(states[i], k_cache + (h0 + i) * head_dim, v_cache + (h0 + i) * head_dim, chunk_slots, n, row,
+                     groups, head_dim, scale);
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      T* op = out + (b * num_heads + h * groups + g) * head_dim;
-      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) store(op, d, acc[g][d] * inv);
+    for (int64_t i = 0; i < heads_per_item; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        T* op = out + (b * num_heads + (h0 + i) * groups + g) * head_dim;
+        const float inv = states[i].l[g] > 0.f ? 1.f / states[i].l[g] : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) store(op, d, states[i].acc[g][d] * inv);
+      }
     }
   }
 }
