@@ -73,7 +73,10 @@ def check_bf16(folder) -> bool:
         p = tok.encode(text)
         ids = torch.tensor(p, device=DEVICE)
         pos = torch.arange(len(p), device=DEVICE)
-        meta = AttentionMetadata(True, pos.clone(), cu_seqlens=[0, len(p)])
+        n, bs = len(p), engine.cfg.block_size
+        table = torch.arange(-(-n // bs), dtype=torch.int32, device=DEVICE)[None]  # slots 0..n-1
+        meta = AttentionMetadata(True, pos.clone(), table, torch.tensor([n], dtype=torch.int32, device=DEVICE),
+                                 torch.tensor([0, n], dtype=torch.int32, device=DEVICE), cu_seqlens=[0, n])
         ours = model.compute_logits(model.forward(ids, pos, meta, cache)).float()
         ref = hf(ids[None]).logits[0].float()
         worst = max(worst, ((ours - ref).abs().max() / ref.std()).item())

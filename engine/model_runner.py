@@ -62,6 +62,9 @@ class ModelRunner:
     def run(self, batch: Batch) -> list[int]:
         """One model step; returns one sampled token per sequence, in batch order (one host sync)."""
         seqs = batch.seqs
+        width = max(len(s.block_table) for s in seqs)
+        tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+        lens = self._tensor([s.num_tokens for s in seqs], torch.int32)
         if batch.is_prefill:
             ids = [t for s in seqs for t in s.token_ids]
             positions = [p for s in seqs for p in range(s.num_tokens)]
@@ -69,17 +72,15 @@ class ModelRunner:
             cu = [0]
             for s in seqs:
                 cu.append(cu[-1] + s.num_tokens)
-            meta = AttentionMetadata(True, self._tensor(slot_mapping, torch.int64), cu_seqlens=cu)
+            meta = AttentionMetadata(True, self._tensor(slot_mapping, torch.int64), tables, lens,
+                                     self._tensor(cu, torch.int32), cu_seqlens=cu)
             last = self._tensor([c - 1 for c in cu[1:]], torch.int64)
         else:
             ids = [s.token_ids[-1] for s in seqs]
             positions = [s.num_tokens - 1 for s in seqs]
             slot_mapping = [self.slots(s, s.num_tokens - 1, s.num_tokens)[0] for s in seqs]
-            width = max(len(s.block_table) for s in seqs)
-            tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
-            lens = self._tensor([s.num_tokens for s in seqs], torch.int32)
-            meta = AttentionMetadata(False, self._tensor(slot_mapping, torch.int64), block_tables=tables,
-                                     context_lens=lens)
+            meta = AttentionMetadata(False, self._tensor(slot_mapping, torch.int64), tables, lens,
+                                     self._tensor(list(range(len(seqs) + 1)), torch.int32))
             last = None
         hidden = self.model.forward(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta,
                                     self.kv_cache)

@@ -1,6 +1,6 @@
 """Build, cache and load the C++ CPU kernels in ``csrc/`` (no torch headers, loaded with ctypes).
 
-``csrc/paged_attention.cpp``: paged decode attention. ``csrc/elementwise_bf16.cpp``: fused
+``csrc/paged_attention.cpp``: paged attention (decode and prefill). ``csrc/elementwise_bf16.cpp``: fused
 bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE.
 
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
@@ -28,14 +28,14 @@ HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F, _N = ctypes.c_float, ctypes.c_int
-_DECODE_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _N]
+_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _N]
 _ELEMENTWISE_ARGS = {
     "pdserve_add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _N],
     "pdserve_silu_mul_bf16": [_P, _P, _I, _I, _N],
     "pdserve_rope_bf16": [_P, _P, _P, _I, _I, _I, _I, _N],
 }
-DECODE_SYMBOLS = {"float32": "pdserve_paged_decode_f32", "bfloat16": "pdserve_paged_decode_bf16",
-                  "float16": "pdserve_paged_decode_f16"}
+ATTENTION_SYMBOLS = {"float32": "pdserve_paged_attention_f32", "bfloat16": "pdserve_paged_attention_bf16",
+                     "float16": "pdserve_paged_attention_f16"}
 
 
 class KernelUnavailable(RuntimeError):
@@ -82,7 +82,7 @@ def load_cpu_kernels() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
-    for symbol, args in [*((s, _DECODE_ARGS) for s in DECODE_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
+    for symbol, args in [*((s, _ATTENTION_ARGS) for s in ATTENTION_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
         fn = getattr(lib, symbol)
         fn.argtypes, fn.restype = args, None
     return lib

@@ -136,5 +136,5 @@ class LlamaModel:
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
         if meta.is_prefill:
-            return self.attention.prefill(q, k, v, meta)
+            return self.attention.prefill(q, k, v, cache[0], cache[1], meta)
         return self.attention.decode(q, cache[0], cache[1], meta)

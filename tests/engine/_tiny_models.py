@@ -73,6 +73,14 @@ def hf_logits(model, prompt: list[int]) -> torch.Tensor:
     return model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
 
 
+def prefill_metadata(slots: torch.Tensor, table: list[int], n: int):
+    """Metadata of a one-sequence prefill of ``n`` tokens at ``slots`` in blocks ``table``."""
+    from pdserve.engine.models.attention import AttentionMetadata
+
+    return AttentionMetadata(True, slots, torch.tensor([table], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                             torch.tensor([0, n], dtype=torch.int32), cu_seqlens=[0, n])
+
+
 def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Our logits for ``prompt`` straight from the model runner's forward (the engine holds no sequences).
 
@@ -87,19 +95,18 @@ def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor
     n = len(prompt)
     ids = torch.tensor(prompt, dtype=torch.int64)
     pos = torch.arange(n)
-    meta = AttentionMetadata(True, pos.clone(), cu_seqlens=[0, n])
+    meta = prefill_metadata(pos.clone(), list(range(-(-n // bs))), n)
     prefill = model.compute_logits(model.forward(ids, pos, meta, cache)).float()
     cache.zero_()
     nblocks = -(-n // bs)
     assert 2 * nblocks <= runner.num_blocks, "test engine needs more KV blocks"
-    table = torch.tensor([runner.num_blocks - 1 - 2 * i for i in range(nblocks)], dtype=torch.int64)
-    slots = table[pos // bs] * bs + pos % bs
+    table = [runner.num_blocks - 1 - 2 * i for i in range(nblocks)]
+    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
     decode = prefill[-1]
     if n > 1:
-        meta = AttentionMetadata(True, slots[:-1], cu_seqlens=[0, n - 1])
-        model.forward(ids[:-1], pos[:-1], meta, cache)
-        meta = AttentionMetadata(False, slots[-1:], block_tables=table[None, :].to(torch.int32),
-                                 context_lens=torch.tensor([n], dtype=torch.int32))
+        model.forward(ids[:-1], pos[:-1], prefill_metadata(slots[:-1], table, n - 1), cache)
+        meta = AttentionMetadata(False, slots[-1:], torch.tensor([table], dtype=torch.int32),
+                                 torch.tensor([n], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
         decode = model.compute_logits(model.forward(ids[-1:], pos[-1:], meta, cache))[0].float()
     cache.zero_()
     return prefill, decode

@@ -74,8 +74,8 @@ def test_decode_matches_dense_reference(case, backend, dtype):
     # q as a row-strided view, like the decoder's q|k slice of the fused projection
     qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
     q = qk[:, :heads]
-    meta = AttentionMetadata(False, torch.zeros(len(lens), dtype=torch.int64), block_tables=table_tensor,
-                             context_lens=torch.tensor(lens, dtype=torch.int32))
+    meta = AttentionMetadata(False, torch.zeros(len(lens), dtype=torch.int64), table_tensor,
+                             torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens) + 1, dtype=torch.int32))
     out = make_backend(backend, dtype, head_dim, window).decode(q, k_cache, v_cache, meta)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == dtype
     for i, n in enumerate(lens):
@@ -84,22 +84,55 @@ def test_decode_matches_dense_reference(case, backend, dtype):
         torch.testing.assert_close(out[i].view(heads, head_dim).double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window", [None, 5])
-def test_prefill_matches_dense_reference(backend, window):
-    lens, heads, kv_heads, head_dim = [1, 17, 6], 6, 2, 32
-    gen = torch.Generator().manual_seed(7)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_matches_dense_reference(backend, window, block_size, dtype):
+    lens, heads, kv_heads, head_dim = [1, 17, 6, 40], 6, 2, 64
+    gen = torch.Generator().manual_seed(7 + block_size)
+    k_cache, v_cache, tables, table_tensor = random_paged_batch(lens, block_size, kv_heads, head_dim, dtype, gen)
     T = sum(lens)
-    q = torch.randn(T, heads, head_dim, generator=gen)
-    k = torch.randn(T, kv_heads, head_dim, generator=gen)
-    v = torch.randn(T, kv_heads, head_dim, generator=gen)
-    cu = [0, 1, 18, 24]
-    meta = AttentionMetadata(True, torch.zeros(T, dtype=torch.int64), cu_seqlens=cu)
-    out = make_backend(backend, torch.float32, head_dim, window).prefill(q, k, v, meta)
+    q = torch.randn(T, heads, head_dim, generator=gen).to(dtype)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    # the decoder writes the step's K/V into the cache before attention: k/v are those slots
+    slots = torch.cat([torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(n)])
+                       for t, n in zip(tables, lens)])
+    k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+    meta = AttentionMetadata(True, slots, table_tensor, torch.tensor(lens, dtype=torch.int32),
+                             torch.tensor(cu, dtype=torch.int32), cu_seqlens=cu)
+    out = make_backend(backend, dtype, head_dim, window).prefill(q, k, v, k_cache, v_cache, meta)
     for s in range(len(lens)):
         for i in range(cu[s], cu[s + 1]):  # each query sees its own sequence up to itself
             want = dense_reference(q[i], k[cu[s]:i + 1], v[cu[s]:i + 1], window)
-            torch.testing.assert_close(out[i].view(heads, head_dim).double(), want, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(out[i].view(heads, head_dim).double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_paged_kernel_takes_the_last_rows_of_longer_sequences(window):
+    """Query rows that are the tail of a longer cached sequence (a prefill chunk after cached
+    blocks, or decode): row r of a sequence with n KV positions and m rows sees positions
+    0 .. n - m + r."""
+    lens, rows, heads, kv_heads, head_dim, block_size = [40, 5, 33, 16], [7, 5, 1, 16], 8, 2, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables, table_tensor = random_paged_batch(lens, block_size, kv_heads, head_dim,
+                                                                torch.float32, gen)
+    starts = [0]
+    for m in rows:
+        starts.append(starts[-1] + m)
+    q = torch.randn(starts[-1], heads, head_dim, generator=gen)
+    meta = AttentionMetadata(True, torch.zeros(starts[-1], dtype=torch.int64), table_tensor,
+                             torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32))
+    out = make_backend("cpu-paged", torch.float32, head_dim, window).decode(q, k_cache, v_cache, meta)
+    for s, (n, m) in enumerate(zip(lens, rows)):
+        keys = contiguous_kv(k_cache, tables[s], n, block_size)
+        vals = contiguous_kv(v_cache, tables[s], n, block_size)
+        for r in range(m):
+            seen = n - m + r + 1
+            want = dense_reference(q[starts[s] + r], keys[:seen], vals[:seen], window)
+            torch.testing.assert_close(out[starts[s] + r].view(heads, head_dim).double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path):

@@ -1,29 +1,35 @@
-// Paged decode attention for CPUs: one query token per sequence, KV read in place from its blocks.
+// Paged attention for CPUs over a block table, for decode and prefill alike: each sequence has
+// `nq` query rows (1 when decoding, the prompt when prefilling), the last `nq` of its `seq_len` KV
+// positions, and every row attends causally to the positions up to its own, read in place from the
+// sequence's blocks (the step's own K/V are written there first).
 //
 // Cost grows with the sum of the context lengths, not batch x longest: no gather, no padding, no
-// mask. Work items are (sequence, KV head) pairs spread over OpenMP threads; the query heads of one
-// KV head (grouped-query attention) share each K/V row they read. Softmax is the online
-// (streaming) form of Milakov & Gimelshein 2018, "Online normalizer calculation for softmax",
-// as in FlashAttention (Dao et al. 2022), accumulated in float32 whatever the cache dtype.
-// On CPUs with AVX512-BF16 (Intel Cooper Lake+, AMD Zen 4+), bfloat16 scores use the bf16 dot-product
-// instruction (vdpbf16ps: exact products, float32 sums) for head_dim a multiple of 32: 1.4x faster.
+// mask. The query heads of one KV head (grouped-query attention) share each K/V row they read.
+// Softmax is the online (streaming) form of Milakov & Gimelshein 2018, "Online normalizer
+// calculation for softmax", as in FlashAttention (Dao et al. 2022), accumulated in float32 whatever
+// the cache dtype. On CPUs with AVX512-BF16 (Intel Cooper Lake+, AMD Zen 4+), bfloat16 scores use
+// the bf16 dot-product instruction (vdpbf16ps: exact products, float32 sums) for head_dim a
+// multiple of 32: 1.4x faster.
 //
 // Layouts (row-major):
-//   q            [num_seqs, num_heads, head_dim], row b at q + b * q_stride
-//   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim] (one layer)
-//   block_tables [num_seqs, max_blocks] int32; context_lens [num_seqs] int32 (new token included)
-//   out          [num_seqs, num_heads, head_dim], contiguous
-// window > 0 keeps the last `window` positions only (Mistral/Qwen2 sliding window).
+//   q               [num_query_rows, num_heads, head_dim], row i at q + i * q_stride
+//   k/v cache       [num_blocks, block_size, num_kv_heads, head_dim] (one layer)
+//   block_tables    [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (this step's rows included)
+//   query_start_loc [num_seqs + 1] int32: sequence b's rows are query_start_loc[b] .. [b + 1] - 1
+//   out             [num_query_rows, num_heads, head_dim], contiguous
+// window > 0 keeps the last `window` positions of each row only (Mistral/Qwen2 sliding window).
 //
 // Built at run time by pdserve/engine/models/kernels.py with the system compiler (-march=native)
 // and called through ctypes; OpenMP resolves to the libgomp torch has already loaded.
 #include <algorithm>
-#include <type_traits>
-
-#include "vec_math.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "vec_math.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -55,7 +61,8 @@ inline void store(_Float16* p, int64_t i, float x) { p[i] = static_cast<_Float16
 constexpr int kMaxGroups = 16;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 constexpr int kChunk = 32;  // KV positions scored before one softmax update
-constexpr int kMaxItemHeads = 8;  // KV heads one work item walks together
+constexpr int kMaxItemStates = 8;  // (query row, KV head) states one work item carries
+constexpr int kQueryTile = 8;  // query rows of one sequence per work item
 
 // kHeadDim > 0 fixes head_dim at compile time so the accumulators stay in vector registers.
 // The running state of one KV head's query group for one sequence.
@@ -144,29 +151,48 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
   }
 }
 
-// Work items are (sequence, run of KV heads). All KV heads of a sequence in one item read each
-// position's K/V row whole and in order, which the prefetchers stream from DRAM; a batch too small
-// to keep every thread busy that way splits the heads instead.
+// Work items are (tile of up to kQueryTile query rows of one sequence, run of KV heads). The rows of
+// a tile share every K/V row they read while it is in L1; all KV heads of a sequence in one item
+// read each position's K/V row whole and in order, which the prefetchers stream from DRAM. A batch
+// too small to keep every thread busy that way splits the heads instead.
 template <typename T, int kHeadDim>
-void decode_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                 const int32_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim_arg, int64_t block_size, int64_t max_blocks, int64_t q_stride,
-                 float scale, int64_t window, int num_threads) {
+void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                    const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim_arg, int64_t block_size, int64_t max_blocks,
+                    int64_t q_stride, float scale, int64_t window, int num_threads) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head_dim_arg;
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between consecutive KV positions
-  int64_t heads_per_item = std::min<int64_t>(num_kv_heads, kMaxItemHeads);
-  while (heads_per_item > 1 && num_seqs * (num_kv_heads / heads_per_item) < 4 * num_threads) heads_per_item /= 2;
+  std::vector<std::pair<int32_t, int32_t>> tiles;  // (sequence, first query row of the tile)
+  bool multi_row = false;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int32_t nq = query_start_loc[b + 1] - query_start_loc[b];
+    multi_row |= nq > 1;
+    for (int32_t r = 0; r < nq; r += kQueryTile) tiles.emplace_back(static_cast<int32_t>(b), r);
+  }
+  const int64_t tile_rows = multi_row ? kQueryTile : 1;
+  int64_t heads_per_item = std::min<int64_t>(num_kv_heads, kMaxItemStates / tile_rows);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  while (heads_per_item > 1 && num_tiles * (num_kv_heads / heads_per_item) < 4 * num_threads) heads_per_item /= 2;
   while (num_kv_heads % heads_per_item) --heads_per_item;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t items_per_tile = num_kv_heads / heads_per_item;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t item = 0; item < num_seqs * items_per_seq; ++item) {
-    const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
-    HeadState<T, kHeadDim> states[kMaxItemHeads];
+  for (int64_t item = 0; item < num_tiles * items_per_tile; ++item) {
+    const auto [b, r0] = tiles[item / items_per_tile];
+    const int64_t h0 = (item % items_per_tile) * heads_per_item;
+    const int64_t nq = query_start_loc[b + 1] - query_start_loc[b];
+    const int64_t rows = std::min<int64_t>(tile_rows, nq - r0);
+    // query row r (of nq) sees positions [lo_r, hi_r): itself and what came before, in its window
+    int64_t lo[kQueryTile], hi[kQueryTile];
+    for (int64_t r = 0; r < rows; ++r) {
+      hi[r] = seq_lens[b] - nq + r0 + r + 1;
+      lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window) : 0;
+    }
+    HeadState<T, kHeadDim> states[kMaxItemStates];
     for (int64_t i = 0; i < heads_per_item; ++i)
-      init_state(states[i], q + b * q_stride + (h0 + i) * groups * head_dim, groups, head_dim, scale);
-    const int64_t ctx = context_lens[b];
-    const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      for (int64_t r = 0; r < rows; ++r)
+        init_state(states[i * rows + r], q + (query_start_loc[b] + r0 + r) * q_stride + (h0 + i) * groups * head_dim,
+                   groups, head_dim, scale);
     const int32_t* table = block_tables + b * max_blocks;
     int64_t slots[2][kChunk];
     const auto fill = [&](int64_t* dst, int64_t t0, int64_t n) {
@@ -176,10 +202,11 @@ void decode_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const i
       }
     };
     const int64_t span = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));  // bytes per row read
-    fill(slots[0], start, std::min<int64_t>(kChunk, ctx - start));
-    for (int64_t t0 = start, cur = 0; t0 < ctx; t0 += kChunk, cur ^= 1) {
-      const int64_t n = std::min<int64_t>(kChunk, ctx - t0);
-      const int64_t next_n = std::min<int64_t>(kChunk, ctx - t0 - kChunk);
+    const int64_t begin = lo[0], end = hi[rows - 1];
+    fill(slots[0], begin, std::min<int64_t>(kChunk, end - begin));
+    for (int64_t t0 = begin, cur = 0; t0 < end; t0 += kChunk, cur ^= 1) {
+      const int64_t n = std::min<int64_t>(kChunk, end - t0);
+      const int64_t next_n = std::min<int64_t>(kChunk, end - t0 - kChunk);
       if (next_n > 0) {  // fetch the next chunk's rows from DRAM while this one is computed
         fill(slots[cur ^ 1], t0 + kChunk, next_n);
         for (int64_t j = 0; j < next_n; ++j) {
@@ -191,31 +218,38 @@ void decode_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const i
           }
         }
       }
-      const int64_t* chunk_slots = slots[cur];
-      for (int64_t i = 0; i < heads_per_item; ++i)
-        attend_chunk(states[i], k_cache + (h0 + i) * head_dim, v_cache + (h0 + i) * head_dim, chunk_slots, n, row,
-                     groups, head_dim, scale);
+      for (int64_t i = 0; i < heads_per_item; ++i) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t a = std::max<int64_t>(0, lo[r] - t0), z = std::min<int64_t>(n, hi[r] - t0);
+          if (a < z)
+            attend_chunk(states[i * rows + r], k_cache + (h0 + i) * head_dim, v_cache + (h0 + i) * head_dim,
+                         slots[cur] + a, z - a, row, groups, head_dim, scale);
+        }
+      }
     }
     for (int64_t i = 0; i < heads_per_item; ++i) {
-      for (int64_t g = 0; g < groups; ++g) {
-        T* op = out + (b * num_heads + (h0 + i) * groups + g) * head_dim;
-        const float inv = states[i].l[g] > 0.f ? 1.f / states[i].l[g] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) store(op, d, states[i].acc[g][d] * inv);
+      for (int64_t r = 0; r < rows; ++r) {
+        const HeadState<T, kHeadDim>& st = states[i * rows + r];
+        for (int64_t g = 0; g < groups; ++g) {
+          T* op = out + ((query_start_loc[b] + r0 + r) * num_heads + (h0 + i) * groups + g) * head_dim;
+          const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) store(op, d, st.acc[g][d] * inv);
+        }
       }
     }
   }
 }
 
 template <typename T>
-void decode(T* out, const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* cl, int64_t b,
-            int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t mb, int64_t qs, float scale,
-            int64_t window, int nt) {
+void attention(T* out, const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* sl, const int32_t* qsl,
+               int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t mb, int64_t qs, float scale,
+               int64_t window, int nt) {
   if (d == 64) {
-    decode_impl<T, 64>(out, q, k, v, bt, cl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
+    attention_impl<T, 64>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
   } else if (d == 128) {
-    decode_impl<T, 128>(out, q, k, v, bt, cl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
+    attention_impl<T, 128>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
   } else {
-    decode_impl<T, 0>(out, q, k, v, bt, cl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
+    attention_impl<T, 0>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
   }
 }
 
@@ -226,13 +260,13 @@ int pdserve_max_groups() { return kMaxGroups; }
 int pdserve_max_head_dim() { return kMaxHeadDim; }
 }
 
-#define PDSERVE_DECODE(NAME, T)                                                                       \
+#define PDSERVE_ATTENTION(NAME, T)                                                                    \
   extern "C" void NAME(void* out, const void* q, const void* k, const void* v, const int32_t* bt,    \
-                       const int32_t* cl, int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t bs,    \
-                       int64_t mb, int64_t qs, float scale, int64_t window, int nt) {                 \
-    decode<T>(static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(k),                \
-              static_cast<const T*>(v), bt, cl, b, h, hkv, d, bs, mb, qs, scale, window, nt);          \
+                       const int32_t* sl, const int32_t* qsl, int64_t b, int64_t h, int64_t hkv, int64_t d, \
+                       int64_t bs, int64_t mb, int64_t qs, float scale, int64_t window, int nt) {       \
+    attention<T>(static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(k),             \
+                 static_cast<const T*>(v), bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);   \
   }
-PDSERVE_DECODE(pdserve_paged_decode_f32, float)
-PDSERVE_DECODE(pdserve_paged_decode_bf16, uint16_t)
-PDSERVE_DECODE(pdserve_paged_decode_f16, _Float16)
+PDSERVE_ATTENTION(pdserve_paged_attention_f32, float)
+PDSERVE_ATTENTION(pdserve_paged_attention_bf16, uint16_t)
+PDSERVE_ATTENTION(pdserve_paged_attention_f16, _Float16)
