@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
 
-from pdserve.engine.host.cli_args import add_engine_args, non_negative_int, port, positive_int
+from pdserve.engine.host.cli_args import add_engine_args, non_negative_int, port, positive_float, positive_int
 
 DEFAULT_PORT = 50051
 
@@ -108,6 +109,8 @@ def cmd_throughput(args) -> int:
     from pdserve.engine.host.cli_args import engine_config_from_args
     from pdserve.engine.throughput import format_result, run_throughput
 
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: no such folder")
     result = run_throughput(engine_config_from_args(args), args.num_prompts, args.input_len, args.output_len,
                             seed=args.seed)
     print(format_result(result))
@@ -130,14 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--router", default=None, help="router host:port (default 127.0.0.1:--port)")
     p.add_argument("--port", type=port, default=DEFAULT_PORT)
-    p.add_argument("--max-tokens", type=non_negative_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=non_negative_int, default=None)
     p.add_argument("--seed", type=non_negative_int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("throughput", help="offline throughput of one engine (no Ray, no gRPC) beside its "

@@ -38,6 +38,8 @@ class ModelRunner:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_folder(model_dir)
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {cfg.device}: this torch build sees no CUDA device")
         mc = self.model_cfg
         self.dtype_name, self.dtype_reason = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
         log.info("dtype %s: %s", self.dtype_name, self.dtype_reason)

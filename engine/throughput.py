@@ -41,7 +41,8 @@ class ThroughputResult:
     output_tokens_per_s: float
     prefill_tokens_per_s: float
     prefill_s: float
-    decode_step_ms: float          # median step at the full batch
+    decode_batch: int              # the largest decode batch the run reached (num_prompts unless capped)
+    decode_step_ms: float          # median step at that batch
     matmul_tflops: float           # GEMM probe at the prefill row count
     matmul_tflops_decode: float    # GEMM probe at the decode row count
     memory_gbps: float
@@ -100,6 +101,8 @@ def weight_bytes(mc: ModelConfig, itemsize: int) -> int:
 def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_len: int,
                    seed: int = 0) -> ThroughputResult:
     """Run the workload once after a short warm-up; ValueError for lengths the model cannot hold."""
+    if output_len < 2:
+        raise ValueError(f"--output-len must be >= 2 (a decode step is measured), got {output_len}")
     engine = Engine(cfg)
     mc, runner = engine.model_cfg, engine.runner
     rng = random.Random(seed)
@@ -111,7 +114,7 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
     sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"throughput-{i}", p, sampling)
-    prefill_s, decode_steps = 0.0, []
+    prefill_s, decode_steps = 0.0, {}  # decode step times by batch size
     start = time.perf_counter()
     while engine.has_work():
         t = time.perf_counter()
@@ -119,31 +122,33 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
         dt = time.perf_counter() - t
         if outputs and outputs[0].prefill:
             prefill_s += dt
-        elif len(outputs) == num_prompts:
-            decode_steps.append(dt)
+        elif outputs:
+            decode_steps.setdefault(len(outputs), []).append(dt)
     elapsed = time.perf_counter() - start
+    batch = max(decode_steps)
 
     dtype, device = runner.dtype, runner.device
     itemsize = torch.empty((), dtype=dtype).element_size()
     peak = matmul_tflops(min(2048, num_prompts * input_len), mc.hidden_size, mc.intermediate_size, dtype, device)
-    peak_decode = matmul_tflops(num_prompts, mc.hidden_size, mc.intermediate_size, dtype, device)
+    peak_decode = matmul_tflops(batch, mc.hidden_size, mc.intermediate_size, dtype, device)
     bandwidth = memory_gbps(device)
 
     attn_flops = 2 * mc.num_layers * mc.num_heads * mc.head_dim * input_len * input_len  # causal QK^T + PV
     prefill_bound = num_prompts * (input_len * model_flops_per_token(mc) + attn_flops) / (peak * 1e12)
     mean_ctx = input_len + output_len / 2
-    kv_bytes = num_prompts * mean_ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
+    kv_bytes = batch * mean_ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     step_bound = max((weight_bytes(mc, itemsize) + kv_bytes) / (bandwidth * 1e9),
-                     num_prompts * model_flops_per_token(mc) / (peak_decode * 1e12))
-    total_bound = prefill_bound + (output_len - 1) * step_bound
-    step = statistics.median(decode_steps) if decode_steps else float("nan")
+                     batch * model_flops_per_token(mc) / (peak_decode * 1e12))
+    total_bound = prefill_bound + (output_len - 1) * num_prompts / batch * step_bound
+    step = statistics.median(decode_steps[batch])
     tokens = num_prompts * (input_len + output_len)
     return ThroughputResult(
         model=cfg.model, dtype=runner.dtype_name, dtype_reason=runner.dtype_reason,
         attention_backend=runner.model.attention.name,
         num_prompts=num_prompts, input_len=input_len, output_len=output_len, elapsed_s=elapsed,
         total_tokens_per_s=tokens / elapsed, output_tokens_per_s=num_prompts * output_len / elapsed,
-        prefill_tokens_per_s=num_prompts * input_len / prefill_s, prefill_s=prefill_s, decode_step_ms=step * 1e3,
+        prefill_tokens_per_s=num_prompts * input_len / prefill_s, prefill_s=prefill_s, decode_batch=batch,
+        decode_step_ms=step * 1e3,
         matmul_tflops=peak, matmul_tflops_decode=peak_decode, memory_gbps=bandwidth,
         prefill_bound_s=prefill_bound, decode_step_bound_ms=step_bound * 1e3, total_bound_s=total_bound,
         prefill_fraction=prefill_bound / prefill_s, decode_fraction=step_bound / step,
@@ -160,8 +165,10 @@ def format_result(r: ThroughputResult) -> str:
         f"output    {r.output_tokens_per_s:9.0f} tok/s",
         f"prefill   {r.prefill_tokens_per_s:9.0f} tok/s   ({r.prefill_s:.2f} s; bound {r.prefill_bound_s:.2f} s, "
         f"{r.prefill_fraction:.0%})",
-        f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.num_prompts}   (bound {r.decode_step_bound_ms:.2f} ms, "
+        f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   (bound {r.decode_step_bound_ms:.2f} ms, "
         f"{r.decode_fraction:.0%})",
         f"probes    matmul {r.matmul_tflops:.2f} TFLOP/s at prefill rows, {r.matmul_tflops_decode:.2f} at "
-        f"{r.num_prompts} rows; memory read {r.memory_gbps:.1f} GB/s",
+        f"{r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
+        *(["warning: a figure is past its bound, so the probes were slowed by other work on this machine; "
+           "rerun it on a quiet one"] if max(r.prefill_fraction, r.decode_fraction, r.total_fraction) > 1 else []),
     ])

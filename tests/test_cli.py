@@ -117,3 +117,22 @@ def test_throughput_refuses_a_prompt_over_the_context_window():
                                     "--output-len", "5"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert "exceeds the context window" in run.stderr
+
+
+def test_throughput_reports_the_batch_it_reached_and_refuses_cuda_without_gpus(tmp_path):
+    out_json = tmp_path / "w1.json"
+    run = subprocess.run(PDSERVE + ["throughput", "--model", "embedded", "--num-prompts", "4", "--input-len", "8",
+                                    "--output-len", "4", "--max-num-seqs", "2", "--json", str(out_json)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "ms/step at batch 2" in run.stdout
+    import json
+
+    figures = json.loads(out_json.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert figures["decode_batch"] == 2 and figures["decode_step_ms"] > 0
+    import torch
+
+    if not torch.cuda.is_available():
+        run = subprocess.run(PDSERVE + ["throughput", "--device", "cuda", "--num-prompts", "1", "--input-len", "8",
+                                        "--output-len", "2"], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and "sees no CUDA device" in run.stderr and "Traceback" not in run.stderr

@@ -59,7 +59,8 @@ def _build(cxx: str, out: Path) -> None:
     try:
         proc = subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise KernelUnavailable(f"{cxx} failed to build the CPU kernels: {proc.stderr.strip()[-2000:]}")
+            reason = proc.stderr.strip()[-2000:] or f"exit status {proc.returncode}"
+            raise KernelUnavailable(f"{cxx} failed to build the CPU kernels: {reason}")
         os.replace(tmp, out)  # atomic: a concurrent builder's file is equally good
     finally:
         if os.path.exists(tmp):
