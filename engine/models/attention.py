@@ -66,8 +66,11 @@ class AttentionBackend(Protocol):
         ...
 
 
-class _SdpaPrefill:
-    """Per-sequence causal SDPA with GQA; a sliding window shorter than the sequence adds a mask."""
+class TorchAttention:
+    """Prefill: per-sequence causal SDPA with GQA (a sliding window shorter than the sequence adds a
+    mask). Decode: gather each sequence's blocks, padded to the longest, then masked SDPA."""
+
+    name = "torch"
 
     def __init__(self, scale: float, sliding_window: int | None) -> None:
         self.scale, self.window = scale, sliding_window
@@ -95,11 +98,6 @@ class _SdpaPrefill:
             out[a:b] = o[0].transpose(0, 1)
         return out.flatten(1)
 
-
-class TorchAttention(_SdpaPrefill):
-    """Decode by gathering each sequence's blocks, padded to the longest, then masked SDPA."""
-
-    name = "torch"
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
