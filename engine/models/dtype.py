@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -9,6 +10,17 @@ import torch
 # /proc/cpuinfo flags of CPUs with native bfloat16 matmul: Intel AMX, AVX512-BF16 (Intel, AMD Zen 4+),
 # and Arm's BF16 extension
 _BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 ``flags``, Arm ``Features``); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(f for line in text.splitlines() if line.startswith(("flags", "Features"))
+                     for f in line.partition(":")[2].split())
 
 
 def native_bf16(device: torch.device) -> str | None:
@@ -19,14 +31,7 @@ def native_bf16(device: torch.device) -> str | None:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"CUDA sm{major}{minor}" if major >= 8 else None
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.partition(":")[2].split())
+    flags = cpu_flags()
     return next((f for f in _BF16_CPU_FLAGS if f in flags), None)
 
 

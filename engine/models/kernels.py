@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pdserve.engine.models.dtype import cpu_flags
 from pdserve.engine.models.embedded import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
@@ -40,16 +41,6 @@ ATTENTION_SYMBOLS = {"float32": "pdserve_paged_attention_f32", "bfloat16": "pdse
 
 class KernelUnavailable(RuntimeError):
     """The C++ kernels cannot be built or loaded here (no compiler, or the build failed)."""
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
 
 
 def _build(cxx: str, out: Path) -> None:
@@ -75,7 +66,8 @@ def load_cpu_kernels() -> ctypes.CDLL:
         raise KernelUnavailable("no C++ compiler found ($CXX or g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()
+    cpu = " ".join(sorted(cpu_flags())) or os.uname().machine
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, cpu]).encode()).hexdigest()
     path = default_cache_dir() / "kernels" / f"pdserve-cpu-{key[:16]}.so"
     if not path.is_file():
         _build(cxx, path)
