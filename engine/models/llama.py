@@ -45,14 +45,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 @dataclass
 class DecoderLayer:
-    """One layer's weights, fused and laid out for the device: q|k|v and gate|up are one GEMM each."""
+    """One layer's weights, fused and laid out for the device: q|k|v and gate|up are one GEMM each.
 
-    input_norm: torch.Tensor
+    ``next_norm`` is the norm applied to this layer's output: the next layer's input norm, or the
+    model's final norm after the last layer (the residual add is fused into it)."""
+
     qkv: Linear
     o: Linear
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    next_norm: torch.Tensor
 
 
 class LlamaModel:
@@ -81,7 +84,6 @@ class LlamaModel:
             qkv_sizes = (q_rows, kv_rows, kv_rows)
             mlp_sizes = (cfg.intermediate_size, cfg.intermediate_size)
             self.layers.append(DecoderLayer(
-                input_norm=w[p + "input_layernorm.weight"],
                 qkv=make_linear(fuse_rows(*(w[a + f"{x}_proj.weight"] for x in "qkv"), sizes=qkv_sizes),
                                 fuse_rows(*(w.get(a + f"{x}_proj.bias") for x in "qkv"), sizes=qkv_sizes)),
                 o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
@@ -90,7 +92,9 @@ class LlamaModel:
                                     fuse_rows(w.get(m + "gate_proj.bias"), w.get(m + "up_proj.bias"),
                                               sizes=mlp_sizes)),
                 down=make_linear(w[m + "down_proj.weight"], w.get(m + "down_proj.bias")),
+                next_norm=w[f"model.layers.{i + 1}.input_layernorm.weight"] if i + 1 < cfg.num_layers else self.norm,
             ))
+        self.first_norm = w["model.layers.0.input_layernorm.weight"]
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -109,12 +113,11 @@ class LlamaModel:
         ops, eps = self.ops, self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self._rope(positions, h.dtype)
-        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
+        x = ops.add_rms_norm(h, None, self.first_norm, eps)
+        for layer, cache in zip(self.layers, kv_cache):
             x = ops.add_rms_norm(h, layer.o(self._attention(layer.qkv(x), cos, sin, meta, cache)), layer.post_norm,
                                  eps)
-            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), following, eps)
+            x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), layer.next_norm, eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
