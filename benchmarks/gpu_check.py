@@ -13,9 +13,7 @@ Exits 1 when a correctness check fails.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
@@ -24,7 +22,7 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.throughput import format_result, run_throughput
+from pdserve.engine.throughput import format_result, median_decode_step_ms, run_throughput
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "In a distant galaxy, a small robot", "今天天气很好，我们", "Hello" * 40]
@@ -91,17 +89,9 @@ def decode_steps(model: str, batch_sizes: list[int], context: int = 256, steps: 
                                  max_num_seqs=max(batch_sizes)))
     vocab = engine.model_cfg.vocab_size
     for b in batch_sizes:
-        for i in range(b):
-            engine.add_request(f"{b}-{i}", [(7 * i + j) % vocab for j in range(context)],
-                               SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
-        while engine.scheduler.waiting:
-            engine.step()
-        times = []
-        while engine.has_work():
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
-        print(f"decode step bf16 batch {b:4d} context {context}: {statistics.median(times) * 1e3:.2f} ms")
+        prompts = [[(7 * i + j) % vocab for j in range(context)] for i in range(b)]
+        step_ms = median_decode_step_ms(engine, prompts, steps)
+        print(f"decode step bf16 batch {b:4d} context {context}: {step_ms:.2f} ms")
 
 
 def main() -> int:

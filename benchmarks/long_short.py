@@ -11,28 +11,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.params import SamplingParams
-
-
-def median_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
-    """Prefill ``prompts``, then the median wall time of ``steps`` decode steps of the whole batch."""
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}-{len(p)}", p, SamplingParams(temperature=0.0, max_tokens=steps + 2,
-                                                                ignore_eos=True))
-    while engine.scheduler.waiting:
-        engine.step()
-    times = []
-    while engine.has_work():
-        t = time.perf_counter()
-        outputs = engine.step()
-        if len(outputs) == len(prompts):
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+from pdserve.engine.throughput import median_decode_step_ms
 
 
 def main() -> None:
@@ -52,9 +34,9 @@ def main() -> None:
     vocab = engine.model_cfg.vocab_size
     shorts = [[rng.randrange(vocab) for _ in range(args.short_len)] for _ in range(args.short)]
     long_prompt = [rng.randrange(vocab) for _ in range(args.long_len)]
-    median_step_ms(engine, shorts[:2], 3)  # warm-up
-    alone = median_step_ms(engine, shorts, args.steps)
-    beside = median_step_ms(engine, shorts + [long_prompt], args.steps)
+    median_decode_step_ms(engine, shorts[:2], 3)  # warm-up
+    alone = median_decode_step_ms(engine, shorts, args.steps)
+    beside = median_decode_step_ms(engine, shorts + [long_prompt], args.steps)
     print(f"model {args.model}  dtype {engine.runner.dtype_name}  attention {engine.runner.model.attention.name}")
     print(f"{args.short} x {args.short_len}-token prompts alone:          TPOT {alone:6.2f} ms")
     print(f"the same beside one {args.long_len}-token prompt: TPOT {beside:6.2f} ms  "

@@ -107,8 +107,7 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
     mc, runner = engine.model_cfg, engine.runner
     rng = random.Random(seed)
     prompts = [[rng.randrange(mc.vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
-    for p in prompts[:1]:
-        engine.check_request(p, SamplingParams(max_tokens=output_len))
+    engine.check_request(prompts[0], SamplingParams(max_tokens=output_len))  # every prompt has this length
     engine.generate([p[:16] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
     sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -153,6 +152,23 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
         prefill_bound_s=prefill_bound, decode_step_bound_ms=step_bound * 1e3, total_bound_s=total_bound,
         prefill_fraction=prefill_bound / prefill_s, decode_fraction=step_bound / step,
         total_fraction=total_bound / elapsed)
+
+
+def median_decode_step_ms(engine: Engine, prompts: list[list[int]], steps: int) -> float:
+    """Prefill ``prompts`` (greedy, EOS ignored), then the median wall time in ms of the ``steps``
+    decode steps that run the whole batch."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"step-{len(prompts)}-{i}", p,
+                           SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    while engine.scheduler.waiting:
+        engine.step()
+    times = []
+    while engine.has_work():
+        t = time.perf_counter()
+        outputs = engine.step()
+        if len(outputs) == len(prompts):
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
 
 
 def format_result(r: ThroughputResult) -> str:
