@@ -61,6 +61,7 @@ CASES = [  # (lens, block_size, heads, kv_heads, head_dim, window)
     ([100, 5, 50, 17], 16, 4, 1, 16, 17),
     ([9, 300], 32, 12, 4, 64, 64),
     ([3, 70, 129], 16, 16, 16, 48, None),
+    ([5, 47, 16], 16, 16, 2, 64, None),  # 8 query heads per KV head: two passes over V at head_dim 64
 ]
 
 

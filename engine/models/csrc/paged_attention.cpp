@@ -60,7 +60,7 @@ inline void store(_Float16* p, int64_t i, float x) { p[i] = static_cast<_Float16
 
 constexpr int kMaxGroups = 16;  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
-constexpr int kChunk = 32;  // KV positions scored before one softmax update
+constexpr int kChunk = 16;  // KV positions scored before one softmax update
 constexpr int kMaxItemStates = 8;  // (query row, KV head) states one work item carries
 constexpr int kQueryTile = 8;  // query rows of one sequence per work item
 
@@ -100,31 +100,123 @@ void init_state(HeadState<T, kHeadDim>& st, const T* q_head, int64_t groups, int
   }
 }
 
+// Ask for one head's K or V row of a later position, so that DRAM reads of several blocks overlap
+// the arithmetic (the hardware prefetchers alone sustain about a quarter of the bandwidth here,
+// since every block is a new, short stream).
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(static_cast<const char*>(p) + c);
+}
+
+#if defined(__AVX512BF16__)
+// out[j] = the sum of v[j]'s 16 lanes, for j < 16: a transposing reduction tree (15 shuffle pairs and
+// adds for 16 rows, where one horizontal sum per row costs about as much each).
+inline __m512 row_sums16(const __m512 (&v)[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes of rows 2i and 2i+1, halved
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane k: 4 partial sums of row 4i + k
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  // z[4k + e] holds row k + 4e
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// attend_chunk for bfloat16 with head_dim 64 or 128: scores by vdpbf16ps, 16 positions per reduction
+// tree; p . v with each group's accumulators in registers, several groups per pass over the V rows.
+template <int kHeadDim, bool kPrefetch>
+void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, const uint16_t* v,
+                         const int64_t* slots, int64_t n, const int64_t* next, int64_t next_n, int64_t row,
+                         int64_t groups, float scale) {
+  constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
+  alignas(64) float s[kMaxGroups][kChunk];
+  float corr[kMaxGroups];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      __m512 part[16];
+      for (int j = 0; j < 16; ++j) {
+        part[j] = _mm512_setzero_ps();
+        if (kPrefetch && g == 0 && j0 + j < next_n) prefetch_row(k + next[j0 + j] * row, kHeadDim * 2);
+        if (j0 + j < n) {
+          const uint16_t* kp = k + slots[j0 + j] * row;
+          for (int c = 0; c < kBf; ++c)
+            part[j] = _mm512_dpbf16_ps(part[j], st.qb[g][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+        }
+      }
+      _mm512_store_ps(s[g] + j0, _mm512_mul_ps(row_sums16(part), vscale));
+    }
+    float mx = st.m[g];
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
+    corr[g] = pdserve::exp_approx(st.m[g] - mx);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      s[g][j] = pdserve::exp_approx(s[g][j] - mx);
+      sum += s[g][j];
+    }
+    st.l[g] = st.l[g] * corr[g] + sum;
+    st.m[g] = mx;
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
+    const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
+    __m512 acc[kPassGroups][kF];
+    for (int g = 0; g < kPassGroups; ++g) {
+      if (g < gc) {
+        const __m512 c = _mm512_set1_ps(corr[g0 + g]);
+        for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_mul_ps(_mm512_loadu_ps(st.acc[g0 + g] + 16 * f), c);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* vp = v + slots[j] * row;
+      if (kPrefetch && g0 == 0 && j < next_n) prefetch_row(v + next[j] * row, kHeadDim * 2);
+      __m512 x[kF];
+      for (int f = 0; f < kF; ++f)  // bfloat16 -> float32: the high half of each 32-bit lane
+        x[f] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + 16 * f))), 16));
+      for (int g = 0; g < kPassGroups; ++g) {
+        if (g < gc) {
+          const __m512 p = _mm512_set1_ps(s[g0 + g][j]);
+          for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_fmadd_ps(p, x[f], acc[g][f]);
+        }
+      }
+    }
+    for (int g = 0; g < kPassGroups; ++g)
+      if (g < gc)
+        for (int f = 0; f < kF; ++f) _mm512_storeu_ps(st.acc[g0 + g] + 16 * f, acc[g][f]);
+  }
+}
+#endif
+
 // Fold KV positions slots[0..n) of one KV head (k/v point at that head in position 0's row) into st.
-template <typename T, int kHeadDim>
+// kPrefetch (decode) asks for the next_n rows of next[] as it reads slots[]; a prefill tile re-reads
+// its sequence from cache, where even the unused check in these loops costs 25% (fp32).
+template <typename T, int kHeadDim, bool kPrefetch>
 void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* slots, int64_t n,
-                  int64_t row, int64_t groups, int64_t head_dim, float scale) {
+                  const int64_t* next, int64_t next_n, int64_t row, int64_t groups, int64_t head_dim, float scale) {
+#if defined(__AVX512BF16__)
+  if constexpr (kUseDpbf16<T, kHeadDim>) {
+    attend_chunk_dpbf16<kHeadDim, kPrefetch>(st, k, v, slots, n, next, next_n, row, groups, scale);
+    return;
+  }
+#endif
   float s[kMaxGroups][kChunk], x[kMaxHeadDim];
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < n; ++j) {  // scores s = q . k
     const T* kp = k + slots[j] * row;
-    if constexpr (kUseDpbf16<T, kHeadDim>) {
-#if defined(__AVX512BF16__)
-      __m512bh kv[kHeadDim / 32];
-      for (int c = 0; c < kHeadDim / 32; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < kHeadDim / 32; ++c) a = _mm512_dpbf16_ps(a, st.qb[g][c], kv[c]);
-        s[g][j] = _mm512_reduce_add_ps(a) * scale;
-      }
-#endif
-    } else {
-      for (int64_t d = 0; d < head_dim; ++d) x[d] = load(kp, d);
-      for (int64_t g = 0; g < groups; ++g) {
-        float dot = 0.f;
+    if constexpr (kPrefetch) {
+      if (j < next_n) prefetch_row(k + next[j] * row, row_bytes);
+    }
+    for (int64_t d = 0; d < head_dim; ++d) x[d] = load(kp, d);
+    for (int64_t g = 0; g < groups; ++g) {
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += st.qf[g][d] * x[d];
-        s[g][j] = dot;
-      }
+      for (int64_t d = 0; d < head_dim; ++d) dot += st.qf[g][d] * x[d];
+      s[g][j] = dot;
     }
   }
   for (int64_t g = 0; g < groups; ++g) {  // online softmax update
@@ -132,6 +224,7 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
     const float corr = pdserve::exp_approx(st.m[g] - mx);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
       s[g][j] = pdserve::exp_approx(s[g][j] - mx);
       sum += s[g][j];
@@ -142,6 +235,9 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
   }
   for (int64_t j = 0; j < n; ++j) {  // acc += p . v
     const T* vp = v + slots[j] * row;
+    if constexpr (kPrefetch) {
+      if (j < next_n) prefetch_row(v + next[j] * row, row_bytes);
+    }
     for (int64_t d = 0; d < head_dim; ++d) x[d] = load(vp, d);
     for (int64_t g = 0; g < groups; ++g) {
       const float p = s[g][j];
@@ -194,6 +290,9 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
         init_state(states[i * rows + r], q + (query_start_loc[b] + r0 + r) * q_stride + (h0 + i) * groups * head_dim,
                    groups, head_dim, scale);
     const int32_t* table = block_tables + b * max_blocks;
+    // Slots of this chunk and the next. A decode step prefetches the next chunk's rows as it reads
+    // this one's, which keeps the loads of several blocks in flight (batch 32, 288 positions, 12
+    // layers: bf16 7.7 -> 4.2 ms, fp32 14.6 -> 8.6 ms).
     int64_t slots[2][kChunk];
     const auto fill = [&](int64_t* dst, int64_t t0, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
@@ -201,29 +300,24 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
         dst[j] = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
       }
     };
-    const int64_t span = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));  // bytes per row read
-    const int64_t begin = lo[0], end = hi[rows - 1];
-    fill(slots[0], begin, std::min<int64_t>(kChunk, end - begin));
-    for (int64_t t0 = begin, cur = 0; t0 < end; t0 += kChunk, cur ^= 1) {
+    const int64_t end = hi[rows - 1];
+    fill(slots[0], lo[0], std::min<int64_t>(kChunk, end - lo[0]));
+    for (int64_t t0 = lo[0], cur = 0; t0 < end; t0 += kChunk, cur ^= 1) {
       const int64_t n = std::min<int64_t>(kChunk, end - t0);
-      const int64_t next_n = std::min<int64_t>(kChunk, end - t0 - kChunk);
-      if (next_n > 0) {  // fetch the next chunk's rows from DRAM while this one is computed
-        fill(slots[cur ^ 1], t0 + kChunk, next_n);
-        for (int64_t j = 0; j < next_n; ++j) {
-          const char* kp = reinterpret_cast<const char*>(k_cache + slots[cur ^ 1][j] * row + h0 * head_dim);
-          const char* vp = reinterpret_cast<const char*>(v_cache + slots[cur ^ 1][j] * row + h0 * head_dim);
-          for (int64_t off = 0; off < span; off += 64) {
-            __builtin_prefetch(kp + off);
-            __builtin_prefetch(vp + off);
-          }
-        }
-      }
+      const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunk, end - t0 - kChunk));
+      fill(slots[cur ^ 1], t0 + kChunk, next_n);
       for (int64_t i = 0; i < heads_per_item; ++i) {
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t a = std::max<int64_t>(0, lo[r] - t0), z = std::min<int64_t>(n, hi[r] - t0);
-          if (a < z)
-            attend_chunk(states[i * rows + r], k_cache + (h0 + i) * head_dim, v_cache + (h0 + i) * head_dim,
-                         slots[cur] + a, z - a, row, groups, head_dim, scale);
+          if (a >= z) continue;
+          const T* kh = k_cache + (h0 + i) * head_dim;
+          const T* vh = v_cache + (h0 + i) * head_dim;
+          if (multi_row)
+            attend_chunk<T, kHeadDim, false>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, nullptr, 0, row,
+                                             groups, head_dim, scale);
+          else
+            attend_chunk<T, kHeadDim, true>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, slots[cur ^ 1],
+                                            next_n, row, groups, head_dim, scale);
         }
       }
     }
