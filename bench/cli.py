@@ -121,10 +121,10 @@ def print_summary(summary: dict, title: str) -> None:
     console.print(line)
 
 
-async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_duration_s: float,
+async def bench_once(backend, specs: list[RequestSpec], run_id: str, max_duration_s: float,
                      temperature: float = 0.0, progress: bool = True) -> tuple[list[RequestRecord], bool]:
-    """Run the load with a progress bar. Ctrl-C stops sending and keeps what finished; returns the
-    records and whether Ctrl-C stopped the run."""
+    """Run the load on ``backend`` (a bench.backends.Backend, entered) with a progress bar. Ctrl-C
+    stops sending and keeps what finished; returns the records and whether Ctrl-C stopped the run."""
     from rich.progress import Progress
 
     from pdserve.bench.runner import run_load
@@ -135,7 +135,7 @@ async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_du
     try:
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task(f"{run_id}: {len(specs)} requests", total=len(specs))
-            records = await run_load(address, specs, run_id=run_id, max_duration_s=max_duration_s,
+            records = await run_load(backend, specs, run_id=run_id, max_duration_s=max_duration_s,
                                      temperature=temperature, stop=stop, on_record=lambda _: bar.advance(task))
             failed = [r for r in records if r.error]
             if failed:
@@ -145,28 +145,44 @@ async def bench_once(address: str, specs: list[RequestSpec], run_id: str, max_du
         loop.remove_signal_handler(signal.SIGINT)
 
 
-def cmd_bench(args) -> int:
-    from pdserve.engine.text.tokenizer import Tokenizer
-    from pdserve.router.client import Client
+def make_backend(args):
+    """The Backend ``--backend`` names, at ``--router`` (grpc) or ``--url`` (openai)."""
+    from pdserve.bench.backends import GrpcBackend, OpenAIBackend
 
-    if not is_loopback(args.router) and not args.allow_remote:
-        raise SystemExit(f"refusing to load-test non-loopback address {args.router} (pass --allow-remote)")
+    if args.backend == "openai":
+        if not args.url:
+            raise SystemExit("--backend openai needs --url http://HOST:PORT")
+        return OpenAIBackend(args.url, args.served_model)
+    return GrpcBackend(args.router)
+
+
+def cmd_bench(args) -> int:
+    from urllib.parse import urlsplit
+
+    from pdserve.engine.text.tokenizer import Tokenizer
+
+    target = args.url if args.backend == "openai" else args.router
+    host_port = f"{urlsplit(target).hostname}:0" if args.backend == "openai" and target else target
+    if target and not is_loopback(host_port) and not args.allow_remote:
+        raise SystemExit(f"refusing to load-test non-loopback address {target} (pass --allow-remote)")
 
     async def main() -> int:
-        async with Client(args.router) as client:
-            info = await client.model_info()
-        tokenizer = Tokenizer.from_folder(args.tokenizer or info.model)
-        specs = build_specs(args, tokenizer, info.max_model_len, args.rate)
-        print(f"sending {len(specs)} requests to {args.router} ({info.placement}) over "
-              f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
-        t0 = time.perf_counter()
-        records, interrupted = await bench_once(args.router, specs, "bench", args.max_duration, args.temperature)
+        async with make_backend(args) as backend:
+            info = await backend.info()
+            tokenizer = Tokenizer.from_folder(args.tokenizer or info.model)
+            max_model_len = info.max_model_len or tokenizer.model_max_length
+            specs = build_specs(args, tokenizer, max_model_len, args.rate)
+            print(f"sending {len(specs)} requests to {target} ({info.placement}, {backend.name}) over "
+                  f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
+            t0 = time.perf_counter()
+            records, interrupted = await bench_once(backend, specs, "bench", args.max_duration, args.temperature)
         elapsed = time.perf_counter() - t0
         slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
         summary = summarize(records, slo, duration_s=elapsed if interrupted else None)
         summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
-                       scheduled=len(specs), interrupted=interrupted, arrival=args.arrival, prompts=args.prompts)
+                       scheduled=len(specs), interrupted=interrupted, arrival=args.arrival, prompts=args.prompts,
+                       backend=backend.name, target=target)
         write_results(Path(args.out), records, summary)
         rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
         print_summary(summary, f"{info.placement} @ {rate}")
@@ -181,10 +197,17 @@ def cmd_bench(args) -> int:
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="open-loop load test of a running router (trace replay or synthetic)")
-    p.add_argument("--router", default="127.0.0.1:50051", help="router host:port")
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="grpc: pdserve's gRPC API at --router; openai: any OpenAI-compatible server at --url "
+                        "(streaming /v1/completions, token-id prompts, ignore_eos)")
+    p.add_argument("--router", default="127.0.0.1:50051", help="router host:port (--backend grpc)")
+    p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
+    p.add_argument("--served-model", default=None,
+                   help="model id to send (--backend openai; default: the first of GET /v1/models)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback router address")
     p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)")
-    p.add_argument("--tokenizer", default=None, help="model folder for the tokenizer (default: the router's model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model folder for the tokenizer (default: the server's model folder)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-duration", type=positive_float, default=600.0, help="hard stop for the run, s")
     p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")

@@ -544,7 +544,7 @@ def start_server(system: str, args, model_dir: Path, out: Path, vllm_py: Path | 
         cmd = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--placement", placement,
                "--cpus-per-worker", "1", "--port", str(port), "--model", str(model_dir),
                "--dtype", args.serve_dtype, "--max-model-len", str(args.max_model_len),
-               "--kv-cache-gib", str(args.kv_cache_gib)]
+               "--kv-cache-gib", str(args.kv_cache_gib), "--http-port", "0"]  # the gRPC client drives it
         proc = spawn(cmd, log, pdserve_env())
         wait_ready(proc, log, args.start_timeout,
                    lambda: b"serving on" in log.read_bytes()[offset:])

@@ -54,12 +54,17 @@ class RouterActor:
         self.running = None
 
     async def start(self, model_dir: str, prefill: list[str], decode: list[str], both: list[str],
-                    bind_host: str, port: int, max_model_len: int | None) -> str:
+                    bind_host: str, port: int, max_model_len: int | None, http_port: int | None = None,
+                    model_name: str | None = None) -> tuple[str, str | None]:
+        """Serve; returns the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from pdserve.router.server import serve
 
-        self.running = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len)
-        return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
+        self.running = r = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len,
+                                       http_port=http_port, model_name=model_name)
+        host = _advertised_host(bind_host)
+        http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
+        return f"{host}:{r.address.rsplit(':', 1)[1]}", http
 
     async def stop(self) -> None:
         if self.running is not None:

@@ -13,6 +13,7 @@ import sys
 from pdserve.engine.host.cli_args import add_engine_args, non_negative_int, port, positive_float, positive_int
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 
 
 def _cluster_config(args):
@@ -22,10 +23,11 @@ def _cluster_config(args):
     return ClusterConfig(engine=engine_config_from_args(args, device="cpu"), placement=args.placement,
                          num_prefill=args.prefill, num_decode=args.decode,
                          cpus_per_worker=args.cpus_per_worker, router_host=args.host,
-                         router_port=args.port, ray_address=args.address, device=args.device)
+                         router_port=args.port, ray_address=args.address, device=args.device,
+                         http_port=getattr(args, "http_port", 0) or None)
 
 
-def check_port_free(host: str, port_number: int) -> None:
+def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
     """ValueError naming the port when it is taken (checked before any worker starts)."""
     if port_number == 0:
         return
@@ -33,7 +35,7 @@ def check_port_free(host: str, port_number: int) -> None:
         try:
             s.bind((host, port_number))
         except OSError as exc:
-            raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick --port") from exc
+            raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick {flag}") from exc
 
 
 def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
@@ -55,8 +57,11 @@ def cmd_serve(args) -> int:
     cfg = _cluster_config(args)
     if args.address is None:
         check_port_free(args.host, args.port)
+        if args.http_port:
+            check_port_free(args.host, args.http_port, "--http-port")
     cluster = start_cluster(cfg)
-    print(f"pdserve {args.placement} cluster serving on {cluster.address} "
+    http = (f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else "")
+    print(f"pdserve {args.placement} cluster serving on {cluster.address} (gRPC){http} "
           f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it", flush=True)
     stop = False
 
@@ -125,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="start a cluster and serve gRPC until Ctrl-C")
+    p = sub.add_parser("serve", help="start a cluster and serve gRPC and the OpenAI HTTP API until Ctrl-C")
     add_cluster_args(p)
+    p.add_argument("--http-port", type=port, default=DEFAULT_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API and /metrics, on --host (0 turns it off)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="stream one completion from a running router")

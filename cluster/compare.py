@@ -7,9 +7,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pdserve.bench.cli import add_slo_args, add_workload_args, bench_once, build_specs, write_results
+from pdserve.bench.cli import add_slo_args, add_workload_args, bench_once, build_specs, is_loopback, write_results
 from pdserve.bench.metrics import SLO, json_safe, summarize
+from pdserve.bench.backends import GrpcBackend
 from pdserve.bench.runner import unloaded_latency
 
 TABLE_COLUMNS = ("rate req/s", "placement", "goodput req/s", "SLO met", "p90 TTFT ms", "p90 TPOT ms",
@@ -50,6 +52,8 @@ def cmd_compare(args) -> int:
     from pdserve.engine.text.tokenizer import Tokenizer
     from pdserve.engine.host.cli_args import engine_config_from_args
 
+    if args.peer_url and not is_loopback(f"{urlsplit(args.peer_url).hostname}:0"):
+        raise SystemExit(f"--peer-url must be a loopback address, got {args.peer_url}")
     console = Console(width=None if sys.stdout.isatty() else 160)
     out = Path(args.out)
     rates = args.rates
@@ -76,7 +80,8 @@ def cmd_compare(args) -> int:
         console.print(f"[bold]{placement}[/]: starting {len(cfg.roles)} workers ({', '.join(cfg.roles)}) "
                       f"on {model_dir.name}...")
         with start_cluster(cfg) as cluster:
-            ttft0, tpot0 = asyncio.run(unloaded_latency(cluster.address, workloads[rates[0]]))
+            ttft0, tpot0 = asyncio.run(_on(lambda: GrpcBackend(cluster.address), unloaded_latency,
+                                           workloads[rates[0]]))
             unloaded[placement] = {"ttft_s": ttft0, "tpot_s": tpot0}
             console.print(f"  unloaded single request: TTFT {ttft0 * 1e3:.1f} ms, TPOT {tpot0 * 1e3:.1f} ms")
             if slo is None:
@@ -84,22 +89,15 @@ def cmd_compare(args) -> int:
                 slo_note = (f"{args.slo_scale:g} x the unloaded single-request TTFT/TPOT measured on {placement} "
                             f"at the start of the run")
                 console.print(f"  SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, TPOT {slo.tpot_s * 1e3:.1f} ms ({slo_note})")
-            for rate in rates:
-                t0 = time.perf_counter()
-                records, interrupted = asyncio.run(bench_once(cluster.address, workloads[rate],
-                                                              f"{placement}@{rate:g}", args.max_duration))
-                # a stopped run lasted as long as it ran, not until its last finished request
-                summary = summarize(records, slo, duration_s=time.perf_counter() - t0 if interrupted else None)
-                summary.update(placement=placement, rate=rate, interrupted=interrupted)
-                runs.setdefault(placement, {})[rate] = records
-                summaries.setdefault(placement, {})[rate] = summary
-                write_results(out / placement / f"rate_{rate:g}", records, summary)
-                console.print(f"  {rate:g} req/s: goodput {summary['goodput']:.2f} req/s, "
-                              f"p90 TTFT {summary['ttft_s']['p90'] * 1e3:.0f} ms, "
-                              f"p90 TPOT {summary['tpot_s']['p90'] * 1e3:.1f} ms, failed {summary['failed']}")
-                if interrupted:
-                    console.print("[bold]interrupted[/]: this rate is partial; skipping the rest of the sweep")
-                    break
+            interrupted = _sweep(placement, lambda: GrpcBackend(cluster.address), workloads, slo, args, out,
+                                 console, runs, summaries)
+    if args.peer_url and not interrupted:
+        from pdserve.bench.backends import OpenAIBackend
+
+        label = "peer"
+        console.print(f"[bold]{label}[/]: the OpenAI-compatible server at {args.peer_url}")
+        interrupted = _sweep(label, lambda: OpenAIBackend(args.peer_url), workloads, slo, args, out, console,
+                             runs, summaries)
     rows = table_rows(summaries)
     table = Table(title=f"colocated vs split: {model_dir.name}, {args.prefill}P+{args.decode}D, "
                         f"{args.cpus_per_worker} CPU/worker", header_style="bold")
@@ -120,6 +118,34 @@ def cmd_compare(args) -> int:
     return 130 if interrupted else 0
 
 
+async def _on(open_backend, fn, *args):
+    """``fn(backend, *args)`` over ``open_backend()``, opened on this event loop."""
+    async with open_backend() as backend:
+        return await fn(backend, *args)
+
+
+def _sweep(label: str, open_backend, workloads: dict, slo, args, out: Path, console, runs: dict,
+           summaries: dict) -> bool:
+    """Every rate of ``workloads`` on one server, into ``runs``/``summaries`` under ``label``;
+    True when Ctrl-C stopped it."""
+    for rate, specs in workloads.items():
+        t0 = time.perf_counter()
+        records, interrupted = asyncio.run(_on(open_backend, bench_once, specs, f"{label}@{rate:g}", args.max_duration))
+        # a stopped run lasted as long as it ran, not until its last finished request
+        summary = summarize(records, slo, duration_s=time.perf_counter() - t0 if interrupted else None)
+        summary.update(placement=label, rate=rate, interrupted=interrupted)
+        runs.setdefault(label, {})[rate] = records
+        summaries.setdefault(label, {})[rate] = summary
+        write_results(out / label / f"rate_{rate:g}", records, summary)
+        console.print(f"  {rate:g} req/s: goodput {summary['goodput']:.2f} req/s, "
+                      f"p90 TTFT {summary['ttft_s']['p90'] * 1e3:.0f} ms, "
+                      f"p90 TPOT {summary['tpot_s']['p90'] * 1e3:.1f} ms, failed {summary['failed']}")
+        if interrupted:
+            console.print("[bold]interrupted[/]: this rate is partial; skipping the rest of the sweep")
+            return True
+    return False
+
+
 def add_compare_parser(sub) -> None:
     from pdserve.engine.host.cli_args import add_engine_args, positive_float, positive_int
 
@@ -138,6 +164,9 @@ def add_compare_parser(sub) -> None:
                    help="default SLOs = this x the unloaded single-request TTFT and TPOT")
     p.add_argument("--max-duration", type=positive_float, default=300.0, help="hard stop per rate, s")
     p.add_argument("--out", default=f"bench_results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--peer-url", default=None,
+                   help="also run the same requests against this running OpenAI-compatible server "
+                        "(http://127.0.0.1:PORT, e.g. vLLM), as a third row of the table and plots")
     add_workload_args(p)
     add_slo_args(p)
     p.set_defaults(length_scale=0.1, max_input_tokens=512, num_requests=20, func=cmd_compare)

@@ -20,6 +20,8 @@ class ClusterConfig:
     ``device`` None picks GPUs when the Ray cluster has one per worker, else CPUs; "cuda" or "cpu"
     forces it (``start_cluster`` refuses "cuda" without enough GPUs).
     ``ray_address`` None starts a local Ray instance; otherwise joins that cluster.
+    ``http_port``: the router's OpenAI-compatible HTTP port (0: any free port; None: no HTTP), on
+    ``router_host``. ``model_name``: the model id HTTP clients send (default: the model folder's name).
     """
 
     engine: EngineConfig
@@ -29,6 +31,8 @@ class ClusterConfig:
     cpus_per_worker: int = 1
     router_host: str = "127.0.0.1"
     router_port: int = 50051
+    http_port: int | None = None
+    model_name: str | None = None
     ray_address: str | None = None
     device: str | None = None
 

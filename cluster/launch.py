@@ -19,10 +19,12 @@ START_TIMEOUT_S = 600.0
 
 @dataclass
 class Cluster:
-    """A running cluster. ``address`` is the router's "host:port"; ``workers`` maps address -> role."""
+    """A running cluster. ``address`` is the router's gRPC "host:port", ``http_address`` its
+    OpenAI-compatible HTTP one (None when off); ``workers`` maps address -> role."""
 
     config: ClusterConfig
     address: str = ""
+    http_address: str | None = None
     workers: dict[str, str] = field(default_factory=dict)
     _actors: list = field(default_factory=list, repr=False)
     _started_ray: bool = False
@@ -71,6 +73,7 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
     started) when a worker or the router fails to start.
     """
     model_dir = _resolve_model(cfg)
+    model_name = cfg.model_name or cfg.engine.model  # the spec the user gave, before it is resolved
     cfg = replace(cfg, engine=replace(cfg.engine, model=str(model_dir)))
     roles = cfg.roles
     started = _init_ray(cfg, len(roles) * cfg.cpus_per_worker)
@@ -93,9 +96,10 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         router = RouterActor.remote()
         cluster._actors.append(router)
         router_bind = cfg.router_host if started else "0.0.0.0"
-        cluster.address = ray.get(router.start.remote(
+        cluster.address, cluster.http_address = ray.get(router.start.remote(
             str(model_dir), by_role["prefill"], by_role["decode"], by_role["both"], router_bind,
-            cfg.router_port, cfg.engine.max_model_len), timeout=START_TIMEOUT_S)
+            cfg.router_port, cfg.engine.max_model_len, cfg.http_port, model_name),
+            timeout=START_TIMEOUT_S)
     except KeyboardInterrupt:
         cluster.stop()
         raise

@@ -38,7 +38,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self.host = EngineHost(engine, extra_stats=lambda: {
             "num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())})
         self._pending: dict[str, asyncio.Future] = {}
-        self._kv_transfer_ns: dict[str, int] = {}
+        self._kv_transfer: dict[str, tuple[int, int]] = {}  # request id -> (ns, bytes)
 
     async def receive_kv(self, frame: Frame) -> None:
         """Unpack, check and admit a KV frame, one buffer or its received chunks (KvReceiver).
@@ -75,12 +75,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         if fut.done():  # the stream went away while we were admitting
             await abort_quietly(self.host.loop, rid)
             return
-        self._kv_transfer_ns[rid] = max(0, time.time_ns() - sent_ns) if sent_ns else 0
+        self._kv_transfer[rid] = (max(0, time.time_ns() - sent_ns) if sent_ns else 0, payload.kv.nbytes)
         fut.set_result(seq)
 
     def _timings(self, seq: Sequence, end_ns: int) -> generate_pb2.Timings:
-        return generate_pb2.Timings(kv_transfer_ns=self._kv_transfer_ns.get(seq.request_id, 0),
-                                    decode_ns=end_ns - seq.arrival_ns)
+        ns, nbytes = self._kv_transfer.get(seq.request_id, (0, 0))
+        return generate_pb2.Timings(kv_transfer_ns=ns, kv_transfer_bytes=nbytes, decode_ns=end_ns - seq.arrival_ns)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -114,7 +114,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             if not fut.done():
                 fut.cancel()
             self._pending.pop(rid, None)
-            self._kv_transfer_ns.pop(rid, None)
+            self._kv_transfer.pop(rid, None)
             self.host.streams.close(rid)
             if not finished:
                 await abort_quietly(self.host.loop, rid)

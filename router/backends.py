@@ -95,6 +95,7 @@ class SplitBackend:
 
             def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
                 timings.kv_transfer_ns, timings.decode_ns = worker.kv_transfer_ns, worker.decode_ns
+                timings.kv_transfer_bytes = worker.kv_transfer_bytes
                 return timings
 
             async for ev in _token_events(decode_call, final):

@@ -26,7 +26,8 @@ class WorkerHandle:
     """One worker: address, stubs and what the router knows of its load.
 
     ``outstanding_prefill_tokens``: prompt tokens sent to it and not yet answered (router-side count).
-    ``free_kv_blocks``: from the last GetStats poll, minus blocks routed to it since.
+    ``free_kv_blocks``: from the last GetStats poll, minus blocks routed to it since; ``num_running``,
+    ``num_waiting`` (waiting for prefill or for KV) and ``used_kv_blocks``: from the last poll.
     """
 
     role: str
@@ -40,6 +41,9 @@ class WorkerHandle:
     total_kv_blocks: int = 0
     block_size: int = 16
     routed_blocks_since_poll: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    used_kv_blocks: int = 0
 
     @classmethod
     def connect(cls, role: str, address: str) -> "WorkerHandle":
@@ -86,6 +90,11 @@ class WorkerPool:
             raise NoWorkerAvailable(f"no healthy {role} worker is available")
         return ws
 
+    def roles_without_healthy_worker(self) -> list[str]:
+        """The roles this placement needs that have no healthy worker now ([] when ready)."""
+        needed = ("both",) if self.placement == "colocated" else ("prefill", "decode")
+        return [r for r in needed if not any(w.role == r and w.healthy for w in self.workers)]
+
     def pick_prefill(self) -> WorkerHandle:
         return min(self._candidates("prefill"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
 
@@ -112,6 +121,7 @@ class WorkerPool:
             w.healthy, w.failed_polls = True, 0
             w.free_kv_blocks, w.block_size, w.routed_blocks_since_poll = s.free_kv_blocks, s.block_size, 0
             w.total_kv_blocks = s.free_kv_blocks + s.used_kv_blocks
+            w.num_running, w.num_waiting, w.used_kv_blocks = s.num_running, s.num_waiting + s.num_awaiting_kv, s.used_kv_blocks
 
         await asyncio.gather(*(one(w) for w in self.workers))
 

@@ -1,30 +1,27 @@
-"""The client-facing GenerateService: validate, route, relay tokens, detokenize, finish."""
+"""The router's front ends: the gRPC GenerateService and, optionally, the OpenAI-compatible HTTP
+server, both over one RouterCore on one event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.host.serving import start_server
-from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.proto.v1 import generate_pb2, generate_pb2_grpc
-from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
-from pdserve.router.pool import NoWorkerAvailable, WorkerPool
-from pdserve.router.validation import InvalidRequest, validate
+from pdserve.router.core import RequestRejected, RouterCore
+from pdserve.router.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 PB = generate_pb2
 
 
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
-    """Implements pdserve.v1.GenerateService over a WorkerPool.
+    """Implements pdserve.v1.GenerateService over a RouterCore.
 
     Errors: INVALID_ARGUMENT for a bad request, ALREADY_EXISTS for a request id already in flight,
     UNAVAILABLE when no worker of a needed role is healthy, and the worker's status code when a
@@ -32,94 +29,81 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
     last message (``Error``).
     """
 
-    def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None) -> None:
-        self.model_dir = Path(model_dir)
-        self.tokenizer = Tokenizer.from_folder(model_dir)
-        cfg = ModelConfig.from_folder(model_dir)
-        self.vocab_size = cfg.vocab_size
-        limits = [cfg.max_position_embeddings, max_model_len, pool.kv_capacity_tokens()]
-        self.max_model_len = min(x for x in limits if x)  # a request must fit the context and a KV cache
-        self.pool = pool
-        self.backend = ColocatedBackend(pool) if pool.placement == "colocated" else SplitBackend(pool)
-        self.inflight: dict[str, RequestState] = {}
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
 
     async def Generate(self, request: PB.GenerateRequest, context: grpc.aio.ServicerContext):
-        t0 = time.monotonic_ns()
+        stream = self.core.generate(request, context.time_remaining())
         try:
-            # tokenizing a huge prompt takes seconds: keep the event loop serving other clients
-            req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if req.request_id in self.inflight:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is already in flight")
-        state = RequestState()
-        self.inflight[req.request_id] = state
-        detok = IncrementalDetokenizer(self.tokenizer, req.stop)
-        usage = PB.Usage(prompt_tokens=len(req.prompt_token_ids))
-        finish, timings, streamed = PB.FINISH_REASON_UNSPECIFIED, PB.Timings(), False
-        events = self.backend.stream(req, state, t0, context.time_remaining())
-        try:
-            async for ev in events:
-                usage.completion_tokens += len(ev.token_ids)
-                text = detok.add(ev.token_ids)
-                streamed = True
-                yield PB.GenerateResponse(chunk=PB.Chunk(token_ids=ev.token_ids, text=text, usage=usage))
-                if detok.stopped:
-                    finish = PB.FINISH_REASON_STOP
-                    break
-                if ev.finish:
-                    finish, timings = ev.finish, ev.timings
-                    break
-        except NoWorkerAvailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-            if not state.aborted:
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                message = f"worker failed: {exc.details()}"
-                log.warning("request %s: %s %s", req.request_id, exc.code().name, message)
-                if not streamed:
-                    await context.abort(exc.code(), message)
-                yield PB.GenerateResponse(error=PB.Error(code=exc.code().name, message=message, usage=usage))
-                return
-            finish = PB.FINISH_REASON_ABORT
+            async for message in stream:
+                yield message
+        except RequestRejected as exc:
+            await context.abort(exc.code, exc.message)
         finally:
-            await events.aclose()
-            self.inflight.pop(req.request_id, None)
-        rest = "" if detok.stopped or finish == PB.FINISH_REASON_ABORT else detok.finish()
-        timings.total_ns = time.monotonic_ns() - t0
-        yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,
-                                                       timings=timings, request_id=req.request_id))
+            await stream.aclose()
 
     async def Abort(self, request: PB.AbortRequest, context) -> PB.AbortResponse:
-        state = self.inflight.get(request.request_id)
-        if state is not None:
-            state.abort()
-        return PB.AbortResponse(aborted=state is not None)
+        return PB.AbortResponse(aborted=self.core.abort(request.request_id))
 
     async def GetModelInfo(self, request, context) -> PB.ModelInfo:
+        core = self.core
         return PB.ModelInfo(
-            model=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            eos_token_ids=sorted(self.tokenizer.eos_token_ids), placement=self.pool.placement,
-            workers=[PB.WorkerInfo(role=w.role, address=w.address) for w in self.pool.workers])
+            model=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+            eos_token_ids=sorted(core.tokenizer.eos_token_ids), placement=core.pool.placement,
+            workers=[PB.WorkerInfo(role=w.role, address=w.address) for w in core.pool.workers])
 
 
 @dataclass
 class RunningRouter:
-    servicer: RouterServicer
+    """A serving router: ``address`` is the gRPC "host:port", ``http_address`` the HTTP one (None: off)."""
+
+    core: RouterCore
     server: grpc.aio.Server
     address: str
+    http: object | None = None  # uvicorn.Server
+    http_task: asyncio.Task | None = None
+    http_address: str | None = None
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.http is not None:
+            self.http.should_exit = True
+            await asyncio.wait([self.http_task], timeout=grace_s + 2.0)
         await self.server.stop(grace_s)
-        await self.servicer.pool.close()
+        await self.core.pool.close()
+
+
+async def start_http(core: RouterCore, model_name: str, host: str, port: int):
+    """uvicorn serving the OpenAI API on this event loop; (server, task, bound port).
+
+    OSError when the port cannot be bound."""
+    import uvicorn
+
+    from pdserve.router.openai_api import build_app
+
+    class EmbeddedServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the process that hosts the router owns SIGINT/SIGTERM
+            yield
+
+    config = uvicorn.Config(build_app(core, model_name), host=host, port=port, log_level="warning",
+                            lifespan="off", access_log=False)
+    server = EmbeddedServer(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # failed to bind: uvicorn logs the reason and exits
+            raise OSError(f"the HTTP server could not listen on {host}:{port}")
+        await asyncio.sleep(0.01)
+    return server, task, server.servers[0].sockets[0].getsockname()[1]
 
 
 async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = (), both: list[str] = (),
-                host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None) -> RunningRouter:
+                host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None,
+                http_port: int | None = None, model_name: str | None = None) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``both``) pool.
 
-    ValueError when the pool is neither split nor colocated.
+    ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
+    ``model_name``: the model id HTTP clients send (default: the model folder's name).
+    ValueError when the pool is neither split nor colocated; OSError when a port cannot be bound.
     """
     if both and (prefill or decode):
         raise ValueError("give either prefill + decode workers (split) or colocated workers, not both")
@@ -127,8 +111,17 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
         raise ValueError("split placement needs at least one prefill and one decode worker")
     pool = WorkerPool(list(prefill), list(decode), list(both))
     await pool.start()
-    servicer = RouterServicer(model_dir, pool, max_model_len)
+    core = RouterCore(model_dir, pool, max_model_len)
     server, bound = await start_server(
-        [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, servicer, "pdserve.v1.GenerateService")],
+        [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), "pdserve.v1.GenerateService")],
         host, port)
-    return RunningRouter(servicer, server, f"{host}:{bound}")
+    running = RunningRouter(core, server, f"{host}:{bound}")
+    if http_port is not None:
+        try:
+            running.http, running.http_task, http_bound = await start_http(
+                core, model_name or Path(model_dir).name, host, http_port)
+        except BaseException:
+            await running.stop()
+            raise
+        running.http_address = f"{host}:{http_bound}"
+    return running

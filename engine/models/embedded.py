@@ -37,10 +37,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: a chat template
 CORPUS_PATH = Path(__file__).with_name("embedded_corpus.txt")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+# A plain role-tagged chat format (the tags are ordinary text to this tokenizer), so that the chat
+# endpoint and its tests have a template to render; the weights know nothing of it.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                 "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
                   "tokenizer.json", "tokenizer_config.json")
 SPECIAL_ROW_SCALE = 0.1
@@ -210,7 +215,7 @@ def build_tokenizer(preset: EmbeddedPreset, out: Path) -> int:
     # Name the class every transformers version knows (v5 maps it to its backend).
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    _write_json(cfg_path, {**tok_cfg, "tokenizer_class": "PreTrainedTokenizerFast"})
+    _write_json(cfg_path, {**tok_cfg, "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE})
     return tok.get_vocab_size()
 
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpdserve/proto/v1/generate.proto\x12\npdserve.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"J\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"l\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x16\n\x0ekv_transfer_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\"\xa5\x01\n\x08\x43omplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"H\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x8c\x01\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x98\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x11\n\tplacement\x18\x05 \x01(\t\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"+\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe0\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpdserve/proto/v1/generate.proto\x12\npdserve.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"J\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x87\x01\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x16\n\x0ekv_transfer_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\xa5\x01\n\x08\x43omplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"H\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x8c\x01\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x98\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x11\n\tplacement\x18\x05 \x01(\t\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"+\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe0\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1322
-  _globals['_FINISHREASON']._serialized_end=1467
+  _globals['_FINISHREASON']._serialized_start=1350
+  _globals['_FINISHREASON']._serialized_end=1495
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=194
   _globals['_GENERATEREQUEST']._serialized_start=197
@@ -41,24 +41,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=455
   _globals['_CHUNK']._serialized_start=457
   _globals['_CHUNK']._serialized_end=531
-  _globals['_TIMINGS']._serialized_start=533
-  _globals['_TIMINGS']._serialized_end=641
-  _globals['_COMPLETE']._serialized_start=644
-  _globals['_COMPLETE']._serialized_end=809
-  _globals['_ERROR']._serialized_start=811
-  _globals['_ERROR']._serialized_end=883
-  _globals['_GENERATERESPONSE']._serialized_start=886
-  _globals['_GENERATERESPONSE']._serialized_end=1026
-  _globals['_ABORTREQUEST']._serialized_start=1028
-  _globals['_ABORTREQUEST']._serialized_end=1062
-  _globals['_ABORTRESPONSE']._serialized_start=1064
-  _globals['_ABORTRESPONSE']._serialized_end=1096
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1098
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1119
-  _globals['_MODELINFO']._serialized_start=1122
-  _globals['_MODELINFO']._serialized_end=1274
-  _globals['_WORKERINFO']._serialized_start=1276
-  _globals['_WORKERINFO']._serialized_end=1319
-  _globals['_GENERATESERVICE']._serialized_start=1470
-  _globals['_GENERATESERVICE']._serialized_end=1694
+  _globals['_TIMINGS']._serialized_start=534
+  _globals['_TIMINGS']._serialized_end=669
+  _globals['_COMPLETE']._serialized_start=672
+  _globals['_COMPLETE']._serialized_end=837
+  _globals['_ERROR']._serialized_start=839
+  _globals['_ERROR']._serialized_end=911
+  _globals['_GENERATERESPONSE']._serialized_start=914
+  _globals['_GENERATERESPONSE']._serialized_end=1054
+  _globals['_ABORTREQUEST']._serialized_start=1056
+  _globals['_ABORTREQUEST']._serialized_end=1090
+  _globals['_ABORTRESPONSE']._serialized_start=1092
+  _globals['_ABORTRESPONSE']._serialized_end=1124
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1126
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1147
+  _globals['_MODELINFO']._serialized_start=1150
+  _globals['_MODELINFO']._serialized_end=1302
+  _globals['_WORKERINFO']._serialized_start=1304
+  _globals['_WORKERINFO']._serialized_end=1347
+  _globals['_GENERATESERVICE']._serialized_start=1498
+  _globals['_GENERATESERVICE']._serialized_end=1722
 # @@protoc_insertion_point(module_scope)

@@ -16,6 +16,10 @@ class Pipeline:
     workers: list           # RunningWorker objects
     router: object          # RunningRouter
 
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.router.http_address}"
+
     async def used_blocks(self) -> int:
         """Sum of used KV blocks over all workers, read through WorkerService.GetStats."""
         import grpc
@@ -39,8 +43,9 @@ class Pipeline:
 
 @asynccontextmanager
 async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
-                         block_size: int = 16, dtype: str = "float32", **engine_kw):
-    """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need."""
+                         block_size: int = 16, dtype: str = "float32", http: bool = False, **engine_kw):
+    """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
+    ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``)."""
     import pdserve.decode_worker.colocated as colocated
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
@@ -51,10 +56,12 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
                        **engine_kw)
     if placement == "split":
         workers = list(await asyncio.gather(prefill.serve(cfg), decode.serve(cfg)))
-        r = await router.serve(model, prefill=[workers[0].address], decode=[workers[1].address])
+        r = await router.serve(model, prefill=[workers[0].address], decode=[workers[1].address],
+                               http_port=0 if http else None, model_name="test-model")
     else:
         workers = [await colocated.serve(cfg)]
-        r = await router.serve(model, both=[workers[0].address])
+        r = await router.serve(model, both=[workers[0].address], http_port=0 if http else None,
+                               model_name="test-model")
     try:
         yield Pipeline(r.address, workers, r)
     finally:

@@ -63,13 +63,15 @@ async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placemen
 
 async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
     """A hard duration bound cancels in-flight requests, keeps their partial records, frees blocks."""
+    from pdserve.bench.backends import GrpcBackend
     from pdserve.bench.runner import run_load
     from pdserve.bench.workload import RequestSpec
 
     specs = [RequestSpec(i, 0.05 * i, (5, 6, 7) * 10, 1500, "synthetic") for i in range(4)]
     specs.append(RequestSpec(4, 60.0, (5,), 3, "synthetic"))  # due long after the bound: never sent
     async with local_pipeline(embedded_dir, "split") as pipe:
-        records = await asyncio.wait_for(run_load(pipe.address, specs, max_duration_s=1.5), 30)
+        async with GrpcBackend(pipe.address) as backend:
+            records = await asyncio.wait_for(run_load(backend, specs, max_duration_s=1.5), 30)
         assert await pipe.wait_idle() == 0
     assert [r.index for r in records] == [0, 1, 2, 3]
     for r in records:
@@ -117,3 +119,25 @@ def test_compare_end_to_end(datasets, tmp_path):
     assert "unloaded single-request" in data["slo"]["note"]
     table = (tmp_path / "table.md").read_text()
     assert table.count("| colocated |") == 2 and table.count("| split |") == 2
+
+
+async def test_openai_backend_gives_the_grpc_token_counts(embedded_dir):
+    """The same requests through pdserve's HTTP API (bench --backend openai) and its gRPC API."""
+    from pdserve.bench.backends import GrpcBackend, OpenAIBackend
+    from pdserve.bench.runner import run_load
+    from pdserve.bench.workload import RequestSpec
+
+    specs = [RequestSpec(i, 0.02 * i, tuple(range(10 + i, 40 + 3 * i)), 3 + 2 * i, "synthetic") for i in range(5)]
+    async with local_pipeline(embedded_dir, "split", http=True) as pipe:
+        async with GrpcBackend(pipe.address) as grpc_backend:
+            by_grpc = await asyncio.wait_for(run_load(grpc_backend, specs), 60)
+        async with OpenAIBackend(pipe.http_url) as http_backend:
+            info = await http_backend.info()
+            by_http = await asyncio.wait_for(run_load(http_backend, specs), 60)
+        assert await pipe.wait_idle() == 0
+    assert info.max_model_len > 0 and info.model == str(embedded_dir)
+    for g, h in zip(by_grpc, by_http):
+        assert g.ok and h.ok, (g.error, h.error)
+        assert g.output_tokens == h.output_tokens == g.max_tokens
+        assert h.finish_reason == "length" and h.prefill_s > 0 and h.kv_transfer_s > 0
+        assert h.token_times_s == sorted(h.token_times_s) and h.ttft_s > 0

@@ -1,0 +1,128 @@
+"""One request's life in the router, shared by the gRPC and the HTTP (OpenAI) front ends:
+validate, route, relay tokens, detokenize, finish, and record the request's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.text.detokenizer import IncrementalDetokenizer
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.proto.v1 import generate_pb2
+from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import NoWorkerAvailable, WorkerPool
+from pdserve.router.validation import InvalidRequest, validate
+
+log = logging.getLogger(__name__)
+PB = generate_pb2
+
+
+class RequestRejected(Exception):
+    """The request failed before any token was streamed; ``code`` is the gRPC status it maps to
+    (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE, or the failing worker's own code)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class RouterCore:
+    """The model's tokenizer and limits, the worker pool, the requests in flight and the metrics.
+
+    ``max_model_len`` is the smallest of the model's context, the configured limit and the tokens
+    the smallest worker KV cache holds: every request must fit all three.
+    """
+
+    def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer.from_folder(model_dir)
+        cfg = ModelConfig.from_folder(model_dir)
+        self.vocab_size = cfg.vocab_size
+        limits = [cfg.max_position_embeddings, max_model_len, pool.kv_capacity_tokens()]
+        self.max_model_len = min(x for x in limits if x)
+        self.pool = pool
+        self.backend = ColocatedBackend(pool) if pool.placement == "colocated" else SplitBackend(pool)
+        self.inflight: dict[str, RequestState] = {}
+        self.metrics = metrics or RouterMetrics(pool)
+
+    async def generate(self, request: PB.GenerateRequest, timeout: float | None
+                       ) -> AsyncIterator[PB.GenerateResponse]:
+        """The response stream of one request: chunks, then one ``complete`` or ``error`` message.
+
+        ``timeout``: seconds left of the client's deadline (None: none). Raises RequestRejected
+        before the first message when the request cannot start; a failure after tokens were
+        streamed ends the stream with an ``error`` message instead. Cancelling the consumer cancels
+        the worker calls, which free the request's KV blocks.
+        """
+        t0 = time.monotonic_ns()
+        try:
+            # tokenizing a huge prompt takes seconds: keep the event loop serving other clients
+            req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size)
+        except InvalidRequest as exc:
+            self.metrics.rejected("invalid")
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if req.request_id in self.inflight:
+            self.metrics.rejected("invalid")
+            raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is already in flight")
+        state = RequestState()
+        self.inflight[req.request_id] = state
+        detok = IncrementalDetokenizer(self.tokenizer, req.stop)
+        usage = PB.Usage(prompt_tokens=len(req.prompt_token_ids))
+        finish, timings, last_ns = PB.FINISH_REASON_UNSPECIFIED, PB.Timings(), None
+        events = self.backend.stream(req, state, t0, timeout)
+        try:
+            async for ev in events:
+                now = time.monotonic_ns()
+                self.metrics.token_arrival(now - (last_ns or t0), first=last_ns is None)
+                last_ns = now
+                usage.completion_tokens += len(ev.token_ids)
+                text = detok.add(ev.token_ids)
+                yield PB.GenerateResponse(chunk=PB.Chunk(token_ids=ev.token_ids, text=text, usage=usage))
+                if detok.stopped:
+                    finish = PB.FINISH_REASON_STOP
+                    break
+                if ev.finish:
+                    finish, timings = ev.finish, ev.timings
+                    break
+        except NoWorkerAvailable as exc:
+            self.metrics.rejected("unavailable")
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if not state.aborted:
+                if isinstance(exc, asyncio.CancelledError):
+                    self.metrics.finished(PB.FINISH_REASON_ABORT, t0, None)
+                    raise
+                message = f"worker failed: {exc.details()}"
+                log.warning("request %s: %s %s", req.request_id, exc.code().name, message)
+                self.metrics.finished(PB.FINISH_REASON_ERROR, t0, None)
+                if last_ns is None:
+                    raise RequestRejected(exc.code(), message) from None
+                yield PB.GenerateResponse(error=PB.Error(code=exc.code().name, message=message, usage=usage))
+                return
+            finish = PB.FINISH_REASON_ABORT
+        except GeneratorExit:  # the consumer closed the stream (an HTTP client went away)
+            self.metrics.finished(PB.FINISH_REASON_ABORT, t0, None)
+            raise
+        finally:
+            await events.aclose()
+            self.inflight.pop(req.request_id, None)
+        rest = "" if detok.stopped or finish == PB.FINISH_REASON_ABORT else detok.finish()
+        timings.total_ns = time.monotonic_ns() - t0
+        self.metrics.finished(finish, t0, timings)
+        yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,
+                                                       timings=timings, request_id=req.request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request in flight; False when no such request is running."""
+        state = self.inflight.get(request_id)
+        if state is not None:
+            state.abort()
+        return state is not None

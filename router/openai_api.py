@@ -1,0 +1,178 @@
+"""The router's OpenAI-compatible HTTP server (FastAPI on uvicorn, on the router's event loop).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
+ending in ``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only when
+every pool has a healthy worker, else 503) and ``GET /metrics`` (Prometheus text format).
+
+Errors are OpenAI error objects: 400 for a bad request (malformed JSON, wrong types, ``n`` other
+than 1, over the context window, bad sampling values, chat on a model without a template), 404 for
+an unknown model, 503 when no worker can serve, 504 when a worker's deadline passed, 500 otherwise.
+A failure after tokens were streamed arrives as a ``data: {"error": ...}`` event before ``[DONE]``.
+A client that disconnects cancels its request on every worker, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router.chat import ChatTemplate, ChatTemplateError
+from pdserve.router.core import RequestRejected, RouterCore
+from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, ResponseShape, error_body,
+                                            parse, timings_json)
+
+log = logging.getLogger(__name__)
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+               grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+               grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAVAILABLE: 503,
+               grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+DISCONNECT_POLL_S = 0.2
+
+
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def build_app(core: RouterCore, model_name: str) -> FastAPI:
+    """The FastAPI app over ``core``; ``model_name`` is the id clients send as ``model``."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    chat_template = ChatTemplate.from_folder(core.model_dir)
+    names = {model_name, str(core.model_dir), core.model_dir.name}
+
+    async def read(request: Request, kind):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        req = parse(kind, body)
+        if req.model is not None and req.model not in names:
+            raise LookupError(f"The model `{req.model}` does not exist; this server serves `{model_name}`.")
+        return req
+
+    async def handle(request: Request, kind: str):
+        try:
+            if kind == "completion":
+                req = await read(request, CompletionRequest)
+                gen_req = req.to_generate_request()
+            else:
+                req = await read(request, ChatRequest)
+                text = chat_template.render([m.for_template() for m in req.messages], req.add_generation_prompt)
+                ids = await asyncio.to_thread(core.tokenizer.encode, text, False)
+                gen_req = req.to_generate_request(ids)
+        except BadRequest as exc:
+            return _error(str(exc), 400, exc.param)
+        except ChatTemplateError as exc:
+            return _error(str(exc), 400, "messages")
+        except LookupError as exc:
+            return _error(str(exc), 404, "model")
+        gen_req.request_id = uuid.uuid4().hex
+        stream = core.generate(gen_req, None)
+        try:
+            first = await anext(stream)
+        except RequestRejected as exc:
+            await stream.aclose()
+            return _error(exc.message, HTTP_STATUS.get(exc.code, 500))
+        shape = ResponseShape(kind, gen_req.request_id, model_name)
+        if req.stream:
+            return StreamingResponse(_stream(stream, first, shape, req.include_usage), media_type="text/event-stream")
+        return await _collect(request, stream, first, shape)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                                            "root": str(core.model_dir), "max_model_len": core.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        missing = core.pool.roles_without_healthy_worker()
+        if missing:
+            return _error(f"no healthy {' or '.join(missing)} worker", 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(core.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _stream(stream: AsyncIterator, first, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE events of one request; cancelling this (a client gone) cancels the request."""
+    opened = False
+    try:
+        message = first
+        while True:
+            which = message.WhichOneof("kind")
+            if which == "chunk":  # one event per token message, text or not, so clients can time tokens
+                yield _sse(shape.delta(message.chunk.text, first=not opened))
+                opened = True
+            elif which == "complete":
+                c = message.complete
+                final = shape.delta(c.text, c.finish_reason)
+                final["pdserve"] = timings_json(c.timings)
+                yield _sse(final)
+                if include_usage:
+                    yield _sse(shape.usage_chunk(c.usage))
+                break
+            else:  # error after tokens were streamed
+                e = message.error
+                yield _sse(error_body(f"{e.code}: {e.message}", 503 if e.code == "UNAVAILABLE" else 500))
+                break
+            message = await anext(stream)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+async def _collect(request: Request, stream: AsyncIterator, first, shape: ResponseShape):
+    """One JSON body; a client that disconnects before the end cancels the request."""
+
+    async def run():
+        parts, message = [], first
+        while True:
+            which = message.WhichOneof("kind")
+            if which == "chunk":
+                parts.append(message.chunk.text)
+            elif which == "complete":
+                c = message.complete
+                parts.append(c.text)
+                return JSONResponse(shape.full("".join(parts), c.finish_reason, c.usage, c.timings))
+            else:
+                e = message.error
+                return _error(f"{e.code}: {e.message}", 503 if e.code == "UNAVAILABLE" else 500)
+            message = await anext(stream)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                log.info("client went away; request %s cancelled", shape.id)
+                break
+        else:
+            return task.result()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it

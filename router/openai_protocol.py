@@ -1,0 +1,200 @@
+"""OpenAI's completions and chat-completions shapes, to and from pdserve's GenerateRequest.
+
+Reference: the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``, error objects)
+and vLLM's extensions that load generators send (``ignore_eos``, ``top_k``). Only the request's
+shape is checked here (types, ``n``, batched prompts); every value check (empty prompt, context
+window, sampling ranges) is the router's one validator, for HTTP and gRPC alike.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pdserve.proto.v1 import generate_pb2
+
+PB = generate_pb2
+UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1
+FINISH_REASONS = {PB.FINISH_REASON_STOP: "stop", PB.FINISH_REASON_LENGTH: "length",
+                  PB.FINISH_REASON_ABORT: "abort", PB.FINISH_REASON_ERROR: "error"}
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+class BadRequest(ValueError):
+    """The body is not a request we can read (HTTP 400); ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take; unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=(1 << 31) - 1)  # -1 (vLLM) or 0 disables
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    logprobs: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got n={n}; send {n} requests instead")
+        return n
+
+    def _generate_request(self, **prompt) -> PB.GenerateRequest:
+        if self.logprobs not in (None, False):
+            raise BadRequest("logprobs are not supported", "logprobs")
+        sampling = PB.SamplingParams()
+        if self.temperature is not None:
+            sampling.temperature = self.temperature
+        if self.top_p is not None:
+            sampling.top_p = self.top_p
+        if self.top_k is not None:
+            sampling.top_k = max(self.top_k, 0)
+        if self.seed is not None:
+            sampling.seed = self.seed
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        req = PB.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=self.ignore_eos, **prompt)
+        max_tokens = self._max_tokens()
+        if max_tokens is not None:
+            req.max_tokens = max_tokens
+        return req
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def to_generate_request(self) -> PB.GenerateRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise BadRequest(f"batched prompts are not supported ({len(p)} given); send one prompt per request",
+                                 "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return self._generate_request(prompt=p)
+        if any(t < 0 or t > UINT32_MAX for t in p):
+            raise BadRequest("prompt token ids must be non-negative integers", "prompt")
+        return self._generate_request(prompt_token_ids=p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+    def for_template(self) -> dict:
+        """The message as templates expect it: text parts of a content list joined into one string."""
+        m = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" for part in self.content):
+                raise BadRequest("only text content parts are supported", "messages")
+            m["content"] = "".join(part.get("text", "") for part in self.content)
+        return m
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_generate_request(self, prompt_token_ids: list[int]) -> PB.GenerateRequest:
+        return self._generate_request(prompt_token_ids=prompt_token_ids)
+
+
+def parse(model: type[_Common], body: Any) -> _Common:
+    """The request, or BadRequest naming the first field that does not fit."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        # a union's errors name its member types in the location ("prompt", "list[int]", 0): drop them
+        path = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _TYPE_NAMES or "[" in x))]
+        param = ".".join(path) or None
+        if path and path[0] == "prompt":
+            raise BadRequest("prompt must be a string or a list of token ids (non-negative integers)", "prompt")
+        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 429: "RateLimitError",
+            503: "ServiceUnavailableError", 504: "TimeoutError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def timings_json(t: PB.Timings) -> dict:
+    """The ``pdserve`` extension: the request's phases, in seconds (bytes for the KV transfer)."""
+    return {"queue_s": t.queue_ns / 1e9, "prefill_s": t.prefill_ns / 1e9, "kv_transfer_s": t.kv_transfer_ns / 1e9,
+            "kv_transfer_bytes": t.kv_transfer_bytes, "decode_s": t.decode_ns / 1e9, "total_s": t.total_ns / 1e9}
+
+
+def usage_json(u: PB.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class ResponseShape:
+    """Builds one request's response objects for ``kind`` "completion" or "chat"."""
+
+    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str) -> None:
+        self.kind, self.model, self.created = kind, model, int(time.time())
+        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + request_id
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, text: str, finish: int, usage: PB.Usage, timings: PB.Timings) -> dict:
+        reason = FINISH_REASONS.get(finish)
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            body = self._envelope("text_completion", [choice])
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            body = self._envelope("chat.completion", [choice])
+        return {**body, "usage": usage_json(usage), "pdserve": timings_json(timings)}
+
+    def delta(self, text: str, finish: int | None = None, first: bool = False) -> dict:
+        reason = FINISH_REASONS.get(finish) if finish else None
+        if self.kind == "completion":
+            return self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
+                                                       "finish_reason": reason}])
+        delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                          "finish_reason": reason}])
+
+    def usage_chunk(self, usage: PB.Usage) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {**self._envelope(obj, []), "usage": usage_json(usage)}

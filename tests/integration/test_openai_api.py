@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP server, driven by the real openai SDK and raw HTTP, on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.router.chat import ChatTemplate
+from pdserve.router.client import Client, make_request
+from tests.conftest import mixed_prompts
+from tests.integration._pipeline import local_pipeline
+
+PLACEMENTS = ["split", "colocated"]
+
+
+def sdk(pipe) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=pipe.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def grpc_result(pipe, **kw):
+    async with Client(pipe.address) as client:
+        return await client.generate(make_request(**kw))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_completions_give_the_grpc_text(model_dir, placement):
+    prompts = mixed_prompts()[:3]
+    async with local_pipeline(model_dir, placement, http=True) as pipe:
+        api = sdk(pipe)
+        for prompt in prompts:
+            ref = await grpc_result(pipe, prompt=prompt, max_tokens=12, temperature=0)
+            full = await api.completions.create(model="test-model", prompt=prompt, max_tokens=12, temperature=0)
+            assert full.choices[0].text == ref.text
+            assert full.choices[0].finish_reason in ("stop", "length")
+            assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (ref.prompt_tokens, len(ref.token_ids))
+            assert full.model_extra["pdserve"]["prefill_s"] > 0
+            parts, usage, timing = [], None, None
+            stream = await api.completions.create(model="test-model", prompt=prompt, max_tokens=12, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.choices:
+                    parts.append(chunk.choices[0].text)
+                    if chunk.choices[0].finish_reason:
+                        timing = chunk.model_extra.get("pdserve")
+                if chunk.usage:
+                    usage = chunk.usage
+            assert "".join(parts) == ref.text
+            assert usage.completion_tokens == len(ref.token_ids) and usage.prompt_tokens == ref.prompt_tokens
+            assert timing["total_s"] >= timing["prefill_s"] > 0
+            if placement == "split":
+                assert timing["kv_transfer_bytes"] > 0
+        one = await api.completions.create(model="test-model", prompt=prompts[0], max_tokens=1, temperature=0)
+        assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+        ids = Tokenizer.from_folder(model_dir).encode(prompts[1])
+        by_ids = await api.completions.create(model="test-model", prompt=ids, max_tokens=8, temperature=0)
+        ref = await grpc_result(pipe, prompt="", prompt_token_ids=ids, max_tokens=8, temperature=0)
+        assert by_ids.choices[0].text == ref.text
+        assert await pipe.wait_idle() == 0
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_chat_renders_the_template_and_gives_the_grpc_text(embedded_dir, placement):
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": mixed_prompts()[3]}]
+    text = ChatTemplate.from_folder(embedded_dir).render(messages)
+    ids = Tokenizer.from_folder(embedded_dir).encode(text, add_special_tokens=False)
+    async with local_pipeline(embedded_dir, placement, http=True) as pipe:
+        api = sdk(pipe)
+        ref = await grpc_result(pipe, prompt="", prompt_token_ids=ids, max_tokens=10, temperature=0)
+        full = await api.chat.completions.create(model="test-model", messages=messages, max_completion_tokens=10,
+                                                 temperature=0)
+        assert full.choices[0].message.content == ref.text and full.choices[0].message.role == "assistant"
+        assert full.usage.prompt_tokens == len(ids)
+        stream = await api.chat.completions.create(model="test-model", messages=messages, max_tokens=10,
+                                                   temperature=0, stream=True)
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(parts) == ref.text
+
+
+async def test_chat_without_a_template_is_a_clear_400(stories_dir):
+    async with local_pipeline(stories_dir, "colocated", http=True) as pipe:
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            await sdk(pipe).chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embedded_dir):
+    async with local_pipeline(embedded_dir, "split", http=True) as pipe:
+        api = sdk(pipe)
+        long_prompt = "word " * 3000
+        cases = [
+            (dict(prompt=""), openai.BadRequestError, "empty"),
+            (dict(prompt=long_prompt), openai.BadRequestError, "context window"),
+            (dict(prompt="hi", temperature=-1), openai.BadRequestError, "temperature"),
+            (dict(prompt="hi", top_p=0), openai.BadRequestError, "top_p"),
+            (dict(prompt="hi", max_tokens=0), openai.BadRequestError, "max_tokens"),
+            (dict(prompt="hi", n=3), openai.BadRequestError, "n=1"),
+            (dict(prompt=["a", "b"]), openai.BadRequestError, "batched"),
+        ]
+        for kw, exc, words in cases:
+            with pytest.raises(exc, match=words) as info:
+                await api.completions.create(model="test-model", **{"max_tokens": 4, **kw})
+            assert info.value.status_code == 400 and info.value.body["type"] == "BadRequestError"
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await api.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            r = await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": "many"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        ok = await api.completions.create(model="test-model", prompt="hi", max_tokens=3, temperature=0)
+        assert ok.usage.completion_tokens == 3
+        assert await pipe.wait_idle() == 0
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_a_client_that_drops_the_stream_frees_every_kv_block(embedded_dir, placement):
+    async with local_pipeline(embedded_dir, placement, http=True) as pipe:
+        body = {"model": "test-model", "prompt": mixed_prompts()[2], "max_tokens": 400, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        async with httpx.AsyncClient(base_url=pipe.http_url, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                events = 0
+                async for line in r.aiter_lines():
+                    events += line.startswith("data: ")
+                    if events == 3:
+                        break
+        assert await pipe.wait_idle() == 0
+        ok = await sdk(pipe).completions.create(model="test-model", prompt="hi", max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+
+
+async def test_metrics_health_and_models(embedded_dir):
+    async with local_pipeline(embedded_dir, "split", http=True) as pipe:
+        api = sdk(pipe)
+        n = 4
+        await asyncio.gather(*[api.completions.create(model="test-model", prompt=p, max_tokens=5, temperature=0)
+                               for p in mixed_prompts()[:n]])
+        with pytest.raises(openai.BadRequestError):
+            await api.completions.create(model="test-model", prompt="", max_tokens=5)
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            assert (await http.get("/health")).status_code == 200
+            models = (await http.get("/v1/models")).json()
+            assert models["data"][0]["id"] == "test-model"
+            await asyncio.sleep(0.3)  # one stats poll
+            text = (await http.get("/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+        assert samples[("pdserve:time_to_first_token_seconds_count", ())] == n
+        assert samples[("pdserve:e2e_request_latency_seconds_count", ())] == n
+        assert samples[("pdserve:kv_transfer_bytes_count", ())] == n
+        assert n <= samples[("pdserve:inter_token_latency_seconds_count", ())] <= n * 4  # 5 tokens, >= 2 messages
+        assert samples[("pdserve:requests_total", (("finish_reason", "length"),))] == n
+        assert samples[("pdserve:requests_rejected_total", (("reason", "invalid"),))] == 1
+        for w in pipe.workers:
+            role = "prefill" if w is pipe.workers[0] else "decode"
+            key = (("role", role), ("worker", w.address))
+            assert samples[("pdserve:worker_healthy", key)] == 1
+            assert ("pdserve:kv_cache_usage_perc", key) in samples
+            assert ("pdserve:num_requests_running", key) in samples
+        await pipe.workers[0].stop()  # the prefill worker goes away: not ready any more
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            for _ in range(100):
+                r = await http.get("/health")
+                if r.status_code == 503:
+                    break
+                await asyncio.sleep(0.1)
+            assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+
