@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from pdserve.proto.v1 import generate_pb2
@@ -62,6 +62,7 @@ class RouterMetrics:
     """The router's registry. ``observe`` methods take monotonic nanoseconds; metrics are seconds."""
 
     def __init__(self, pool) -> None:
+        disable_created_metrics()  # no *_created series (vLLM drops them too)
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("pdserve:time_to_first_token_seconds",
                               "Request received by the router to its first token there.", buckets=LATENCY_BUCKETS,

@@ -1,0 +1,66 @@
+"""The router's Prometheus metrics: names, bounded labels, and the dashboard that reads them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.proto.v1 import generate_pb2
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import WorkerHandle
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
+
+
+class _Pool:
+    def __init__(self):
+        self.workers = [WorkerHandle("prefill", "127.0.0.1:1", channel=None, total_kv_blocks=10, used_kv_blocks=4),
+                        WorkerHandle("decode", "127.0.0.1:2", channel=None, healthy=False)]
+
+
+def _families(m: RouterMetrics) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
+
+
+def test_observations_land_in_their_series():
+    m = RouterMetrics(_Pool())
+    m.token_arrival(30_000_000, first=True)
+    m.token_arrival(5_000_000, first=False)
+    t = generate_pb2.Timings(queue_ns=1_000_000, prefill_ns=2_000_000, kv_transfer_ns=3_000_000,
+                             kv_transfer_bytes=4096, decode_ns=4_000_000)
+    m.finished(generate_pb2.FINISH_REASON_LENGTH, 0, t)
+    m.finished(generate_pb2.FINISH_REASON_ABORT, 0, None)
+    m.rejected("invalid")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in _families(m).values() for s in f.samples}
+    assert samples[("pdserve:time_to_first_token_seconds_sum", ())] == 0.03
+    assert samples[("pdserve:inter_token_latency_seconds_count", ())] == 1
+    assert samples[("pdserve:kv_transfer_bytes_sum", ())] == 4096
+    assert samples[("pdserve:request_prefill_time_seconds_count", ())] == 1  # the aborted one has no phases
+    assert samples[("pdserve:e2e_request_latency_seconds_count", ())] == 2
+    assert samples[("pdserve:requests_total", (("finish_reason", "abort"),))] == 1
+    assert samples[("pdserve:requests_total", (("finish_reason", "stop"),))] == 0
+    assert samples[("pdserve:kv_cache_usage_perc", (("role", "prefill"), ("worker", "127.0.0.1:1")))] == 0.4
+    assert samples[("pdserve:worker_healthy", (("role", "decode"), ("worker", "127.0.0.1:2")))] == 0
+    assert not any(name.endswith("_created") for name, _ in samples)
+    labels = {k for (_, ls) in samples for k, _ in ls}
+    assert labels <= {"le", "finish_reason", "reason", "role", "worker"}  # bounded: no request ids
+
+
+def test_two_routers_in_one_process_keep_their_own_counts():
+    a, b = RouterMetrics(_Pool()), RouterMetrics(_Pool())
+    a.rejected("unavailable")
+    assert "pdserve:requests_rejected_total{reason=\"unavailable\"} 1.0" in a.exposition().decode()
+    assert "pdserve:requests_rejected_total{reason=\"unavailable\"} 0.0" in b.exposition().decode()
+
+
+def test_the_dashboard_reads_only_metrics_the_router_exports():
+    exported = {s.name for f in _families(RouterMetrics(_Pool())).values() for s in f.samples}
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"pdserve:[a-z0-9_]+", e)}
+    assert len(dash["panels"]) >= 8 and used
+    assert used <= exported, used - exported
