@@ -49,7 +49,7 @@ from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.prefill_worker.kv_sender import GrpcKvSender
-from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 MODEL = "embedded:llama-80m"
 # What the prefill worker serialises with (encode_kv: header + tensor view; older code: pack_kv).

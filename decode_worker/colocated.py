@@ -13,7 +13,7 @@ import grpc
 from pdserve.engine.engine import Engine
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.engine.host.worker_common import EngineHost, abort_quietly, admit_prompt, relay_tokens
-from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 
 class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):

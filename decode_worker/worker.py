@@ -12,7 +12,7 @@ from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens
-from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
 PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),

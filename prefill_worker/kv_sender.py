@@ -8,7 +8,7 @@ from pdserve.engine.kv.codec import Frame
 from pdserve.engine.kv.framing import DEFAULT_CHUNK_BYTES, iter_chunks
 from pdserve.engine.kv.transfer import KvTransferError
 from pdserve.engine.host.serving import GRPC_OPTIONS
-from pdserve.proto.v1 import worker_pb2
+from pdserve.v1 import worker_pb2
 
 PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKv"
 

@@ -15,7 +15,7 @@ from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.scheduling.sequence import FinishReason
 from pdserve.engine.host.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
-from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from pdserve.proto.v1 import generate_pb2, worker_pb2
+from pdserve.v1 import generate_pb2, worker_pb2
 from pdserve.router.pool import WorkerPool
 from pdserve.router.validation import ValidatedRequest
 

@@ -9,8 +9,8 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.host.serving import GRPC_OPTIONS
-from pdserve.proto.v1 import generate_pb2 as PB
-from pdserve.proto.v1 import generate_pb2_grpc
+from pdserve.v1 import generate_pb2 as PB
+from pdserve.v1 import generate_pb2_grpc
 
 FINISH_NAMES = {PB.FINISH_REASON_STOP: "stop", PB.FINISH_REASON_LENGTH: "length",
                 PB.FINISH_REASON_ABORT: "abort", PB.FINISH_REASON_ERROR: "error"}

@@ -14,11 +14,11 @@ import grpc
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.proto.v1 import generate_pb2
+from pdserve.v1 import generate_pb2
 from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import NoWorkerAvailable, WorkerPool
-from pdserve.router.validation import InvalidRequest, validate
+from pdserve.router.validation import InvalidRequest, sampling_defaults, validate
 
 log = logging.getLogger(__name__)
 PB = generate_pb2
@@ -46,6 +46,7 @@ class RouterCore:
         self.tokenizer = Tokenizer.from_folder(model_dir)
         cfg = ModelConfig.from_folder(model_dir)
         self.vocab_size = cfg.vocab_size
+        self.sampling_defaults = sampling_defaults(model_dir)
         limits = [cfg.max_position_embeddings, max_model_len, pool.kv_capacity_tokens()]
         self.max_model_len = min(x for x in limits if x)
         self.pool = pool
@@ -65,7 +66,8 @@ class RouterCore:
         t0 = time.monotonic_ns()
         try:
             # tokenizing a huge prompt takes seconds: keep the event loop serving other clients
-            req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size)
+            req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size,
+                                          self.sampling_defaults)
         except InvalidRequest as exc:
             self.metrics.rejected("invalid")
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -15,7 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from pdserve.proto.v1 import generate_pb2
+from pdserve.v1 import generate_pb2
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pdserve.proto.v1 import generate_pb2
+from pdserve.v1 import generate_pb2
 
 PB = generate_pb2
 UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1

@@ -10,7 +10,7 @@ from functools import cached_property
 import grpc
 
 from pdserve.engine.host.serving import GRPC_OPTIONS
-from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.1

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.engine.host.serving import start_server
-from pdserve.proto.v1 import generate_pb2, generate_pb2_grpc
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from pdserve.router.core import RequestRejected, RouterCore
 from pdserve.router.pool import WorkerPool
 

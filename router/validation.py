@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.engine.params import sampling_errors
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.proto.v1 import generate_pb2, worker_pb2
+from pdserve.v1 import generate_pb2, worker_pb2
 
 MAX_STOP_STRINGS = 16
 
@@ -26,9 +28,26 @@ class ValidatedRequest:
     stop: list[str]
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling values the model's ``generation_config.json`` sets (temperature, top_p, top_k):
+    what a request that leaves them unset gets, as in vLLM (``--generation-config auto``)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: cfg[k] for k in SAMPLING_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
+
+
 def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
-             vocab_size: int) -> ValidatedRequest:
-    """Tokenize and resolve defaults. Raises InvalidRequest listing every problem found."""
+             vocab_size: int, defaults: dict[str, float] | None = None) -> ValidatedRequest:
+    """Tokenize and resolve defaults: a sampling field left unset takes ``defaults`` (the model's
+    generation_config.json, see ``sampling_defaults``), else temperature 1, top_p 1, top_k 0.
+    Raises InvalidRequest listing every problem found."""
+    defaults = defaults or {}
     errors: list[str] = []
     if req.prompt_token_ids:
         ids = list(req.prompt_token_ids)
@@ -53,9 +72,9 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
     else:
         max_tokens = max(1, max_model_len - n)
     s = req.sampling
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    top_k = s.top_k if s.HasField("top_k") else 0
+    temperature = s.temperature if s.HasField("temperature") else float(defaults.get("temperature", 1.0))
+    top_p = s.top_p if s.HasField("top_p") else float(defaults.get("top_p", 1.0))
+    top_k = s.top_k if s.HasField("top_k") else int(defaults.get("top_k", 0))
     if math.isnan(temperature) or math.isnan(top_p):
         errors.append("temperature and top_p must be numbers, got NaN")
     else:

@@ -21,15 +21,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("proto", "engine", "prefill_worker", "decode_worker", "router", "cluster", "bench")
 # Package data that must travel with the code (pyproject.toml [tool.setuptools.package-data]).
-DATA_FILES = ("pdserve/proto/v1/generate.proto", "pdserve/proto/v1/worker.proto",
-              "pdserve/proto/v1/generate_pb2.pyi", "pdserve/proto/v1/worker_pb2.pyi",
+DATA_FILES = ("pdserve/v1/generate.proto", "pdserve/v1/worker.proto",
+              "pdserve/v1/generate_pb2.pyi", "pdserve/v1/worker_pb2.pyi",
               "pdserve/engine/models/embedded_corpus.txt", "pdserve/cluster/demo_prompts.json")
 
 
+def installed_path(p: Path) -> str:
+    """Where a checkout file lands: ``engine/x.py`` -> ``pdserve/engine/x.py``; the API's
+    ``proto/pdserve/v1/x.py`` -> ``pdserve/v1/x.py``."""
+    parts = p.relative_to(ROOT).parts
+    return PurePosixPath(*(parts[1:] if parts[:2] == ("proto", "pdserve") else ("pdserve", *parts))).as_posix()
+
+
 def checkout_packages() -> set[str]:
-    """``pdserve/<folder>/.../__init__.py`` for every package folder of the checkout."""
-    return {PurePosixPath("pdserve", *p.relative_to(ROOT).parts).as_posix()
-            for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py") if "__pycache__" not in p.parts}
+    """The installed ``__init__.py`` of every package folder of the checkout."""
+    return {installed_path(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")
+            if "__pycache__" not in p.parts}
 
 
 def stray_entries(names: list[str], dist_info: str) -> list[str]:
@@ -113,7 +120,7 @@ def test_proto_plus_and_pdserve_import_side_by_side(tmp_path: Path) -> None:
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("proto-plus is not installed (test extra)")
     # Not from the repo root: there the checkout's proto/ folder would shadow proto-plus.
-    code = ("import proto; proto.Message; import pdserve.proto.v1.generate_pb2; import pdserve.engine.config; "
+    code = ("import proto; proto.Message; import pdserve.v1.generate_pb2; import pdserve.engine.config; "
             "print(proto.__file__)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

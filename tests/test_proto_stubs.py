@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "proto" / "v1"
+PROTO_ROOT = ROOT / "proto"
+PROTO_DIR = PROTO_ROOT / "pdserve" / "v1"
 STUB_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 STALE = "stubs are stale: run python proto/generate_stubs.py"
 
@@ -28,8 +29,8 @@ def fresh_stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdserve.proto.generate_stubs import generate
 
     out = tmp_path_factory.mktemp("stubs")
-    generate(out, PROTO_DIR)  # the checkout's .proto files, not the installed copies
-    return out / "pdserve" / "proto" / "v1"
+    generate(out, PROTO_ROOT)  # the checkout's .proto files, not the installed copies
+    return out / "pdserve" / "v1"
 
 
 def test_every_proto_has_its_three_stubs(fresh_stubs: Path) -> None:
@@ -160,7 +161,7 @@ enum Color {
 def test_parser_finds_every_field_the_compiler_knows(path: Path) -> None:
     import importlib
 
-    module = importlib.import_module(f"pdserve.proto.v1.{path.stem}_pb2")
+    module = importlib.import_module(f"pdserve.v1.{path.stem}_pb2")
     desc = module.DESCRIPTOR
     known = {("field", m.name, f.name, f.number) for m in desc.message_types_by_name.values() for f in m.fields}
     known |= {("enum value", e.name, v.name, v.number) for e in desc.enum_types_by_name.values() for v in e.values}

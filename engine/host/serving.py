@@ -10,6 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.engine.host import reflection_v1
+
 # Large enough for KV chunks and long prompts; KV chunks stay <= 1 MiB by default anyway.
 MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
@@ -20,20 +22,21 @@ GRPC_OPTIONS = [
 
 async def start_server(register: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
                        host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection.
+    """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection
+    (v1 and v1alpha), which list exactly the services this server serves.
 
     register: (add_XServicer_to_server, servicer, full service name) triples. Every service is
     reported SERVING. Returns the server and the bound port (``port=0`` picks a free one).
     Raises RuntimeError when the port cannot be bound.
     """
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    names = [reflection.SERVICE_NAME, health.SERVICE_NAME]
+    names = [reflection_v1.SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for add, servicer, name in register:
         add(servicer, server)
         names.append(name)
-    reflection.enable_server_reflection(names, server)
+    reflection_v1.enable(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")

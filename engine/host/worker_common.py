@@ -14,7 +14,7 @@ from pdserve.engine.host.loop import EngineLoop
 from pdserve.engine.host.serving import RequestStreams, drain
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
-from pdserve.proto.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,

@@ -104,7 +104,7 @@ def test_rejects_non_positive_chunk_size():
                                       ("y", (1 << 20) + 3)])
 def test_grpc_sender_encodes_kv_chunks_like_protobuf(rid, size):
     from pdserve.prefill_worker.kv_sender import encode_kv_chunk
-    from pdserve.proto.v1 import worker_pb2
+    from pdserve.v1 import worker_pb2
 
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     wire = encode_kv_chunk((rid, memoryview(data)))

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint, pack_kv
-from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.router.client import Client, make_request
 from tests.integration._pipeline import local_pipeline
 
@@ -82,18 +82,33 @@ async def test_cancel_and_abort_free_every_block(embedded_dir, placement):
 
 
 async def test_health_and_reflection_on_every_server(embedded_dir):
+    """Reflection v1 (what grpcurl asks first) and v1alpha list exactly what each server serves."""
+    from google.protobuf import descriptor_pb2
+
+    common = {"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+              "grpc.reflection.v1alpha.ServerReflection"}
+    expected = [{"pdserve.v1.GenerateService"}, {"pdserve.v1.PrefillService", "pdserve.v1.WorkerService"},
+                {"pdserve.v1.DecodeService", "pdserve.v1.WorkerService"}]
     async with local_pipeline(embedded_dir, "split") as pipe:
-        for address in [pipe.address] + [w.address for w in pipe.workers]:
+        for address, services in zip([pipe.address] + [w.address for w in pipe.workers], expected):
             async with grpc.aio.insecure_channel(address) as ch:
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
-                stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-                replies = [r async for r in stub.ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
-                names = {s.name for s in replies[0].list_services_response.service}
-                assert "grpc.health.v1.Health" in names
-                assert names & {"pdserve.v1.GenerateService", "pdserve.v1.PrefillService",
-                                "pdserve.v1.DecodeService"}
+                v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                      request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                      response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+                v1alpha = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo
+                for call in (v1, v1alpha):
+                    replies = [r async for r in call(iter([
+                        reflection_pb2.ServerReflectionRequest(list_services=""),
+                        reflection_pb2.ServerReflectionRequest(file_containing_symbol=sorted(services)[0])]))]
+                    assert {s.name for s in replies[0].list_services_response.service} == services | common
+                    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                             for b in replies[1].file_descriptor_response.file_descriptor_proto]
+                    assert files[0].package == "pdserve.v1" and files[0].name.startswith("pdserve/v1/")
+                described = [r async for r in v1(iter([reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="grpc.reflection.v1.ServerReflection")]))]
+                assert described[0].file_descriptor_response.file_descriptor_proto
 
 
 def _payload(engine_fp: ModelFingerprint, request_id: str, **fp_changes) -> bytes:

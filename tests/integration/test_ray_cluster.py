@@ -29,7 +29,7 @@ def split_cluster(request):
 
 
 async def _used_blocks(cluster) -> int:
-    from pdserve.proto.v1 import worker_pb2, worker_pb2_grpc
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     total = 0
     for address in cluster.workers:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.proto.v1 import generate_pb2
+from pdserve.v1 import generate_pb2
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import WorkerHandle
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.proto.v1 import worker_pb2 as pdserve_dot_proto_dot_v1_dot_worker__pb2
+from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/proto/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class PrefillServiceStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Prefill',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
 
 
@@ -58,8 +58,8 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,8 +88,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -113,13 +113,13 @@ class DecodeServiceStub:
         """
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeService/Decode',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.TokenBatch.FromString,
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenBatch.FromString,
                 _registered_method=True)
         self.PushKv = channel.stream_unary(
                 '/pdserve.v1.DecodeService/PushKv',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
                 _registered_method=True)
 
 
@@ -146,13 +146,13 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.TokenBatch.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.TokenBatch.SerializeToString,
             ),
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KvChunk.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvChunk.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,8 +181,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Decode',
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.TokenBatch.FromString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -208,8 +208,8 @@ class DecodeService:
             request_iterator,
             target,
             '/pdserve.v1.DecodeService/PushKv',
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+            pdserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -233,8 +233,8 @@ class ColocatedServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.ColocatedService/Generate',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ColocatedRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.TokenBatch.FromString,
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ColocatedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenBatch.FromString,
                 _registered_method=True)
 
 
@@ -254,8 +254,8 @@ def add_ColocatedServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ColocatedRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.TokenBatch.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ColocatedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.TokenBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -284,8 +284,8 @@ class ColocatedService:
             request,
             target,
             '/pdserve.v1.ColocatedService/Generate',
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.ColocatedRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.TokenBatch.FromString,
+            pdserve_dot_v1_dot_worker__pb2.ColocatedRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -309,13 +309,13 @@ class WorkerServiceStub:
         """
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.WorkerService/GetStats',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.WorkerService/Abort',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
                 _registered_method=True)
 
 
@@ -342,13 +342,13 @@ def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerAbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -377,8 +377,8 @@ class WorkerService:
             request,
             target,
             '/pdserve.v1.WorkerService/GetStats',
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            pdserve_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -404,8 +404,8 @@ class WorkerService:
             request,
             target,
             '/pdserve.v1.WorkerService/Abort',
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

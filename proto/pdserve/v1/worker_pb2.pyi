@@ -1,4 +1,4 @@
-from pdserve.proto.v1 import generate_pb2 as _generate_pb2
+from pdserve.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.proto.v1 import generate_pb2 as pdserve_dot_proto_dot_v1_dot_generate__pb2
+from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/proto/v1/generate_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/v1/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class GenerateServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.GenerateService/Generate',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.GenerateService/Abort',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pdserve.v1.GenerateService/GetModelInfo',
-                request_serializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=pdserve_dot_proto_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class GenerateService:
             request,
             target,
             '/pdserve.v1.GenerateService/Generate',
-            pdserve_dot_proto_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            pdserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class GenerateService:
             request,
             target,
             '/pdserve.v1.GenerateService/Abort',
-            pdserve_dot_proto_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            pdserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class GenerateService:
             request,
             target,
             '/pdserve.v1.GenerateService/GetModelInfo',
-            pdserve_dot_proto_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
-            pdserve_dot_proto_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            pdserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
