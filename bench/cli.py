@@ -49,6 +49,34 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="TPOT SLO, ms")
 
 
+SYNTHETIC_INPUT_LEN, SYNTHETIC_OUTPUT_LEN, SYNTHETIC_RATE = 256, 64, 1.0
+
+
+def fall_back_without_datasets(args) -> str | None:
+    """When the workload would read the datasets folder and none is found (a fresh install, run
+    from any folder, with no --datasets-dir), switch ``args`` to a synthetic workload that needs
+    no file: Poisson arrivals, random-token prompts, 256 tokens in and 64 out unless given.
+    Returns the note to print, or None when nothing changed (a CSV trace path is never replaced)."""
+    from pdserve.bench.workload import resolve_datasets_dir
+
+    if args.datasets_dir is not None or resolve_datasets_dir().is_dir():
+        return None
+    reads_trace = args.arrival == "trace" or args.input_len is None or args.output_len is None
+    if args.arrival == "trace" and args.trace not in TRACES:
+        return None
+    if not reads_trace and args.prompts == RANDOM_PROMPTS:
+        return None
+    if args.arrival == "trace":
+        args.arrival = "poisson"
+        args.rate = getattr(args, "rate", None) or SYNTHETIC_RATE
+    args.prompts = RANDOM_PROMPTS
+    args.input_len = args.input_len or SYNTHETIC_INPUT_LEN
+    args.output_len = args.output_len or SYNTHETIC_OUTPUT_LEN
+    return (f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS or ../shared/datasets): running a "
+            f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
+            f"{args.output_len} output tokens each")
+
+
 def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
     """The request list for one run. The same args give the same lengths and prompts at every rate;
     only the send times change with ``rate`` (req/s).
@@ -165,6 +193,10 @@ def cmd_bench(args) -> int:
     host_port = f"{urlsplit(target).hostname}:0" if args.backend == "openai" and target else target
     if target and not is_loopback(host_port) and not args.allow_remote:
         raise SystemExit(f"refusing to load-test non-loopback address {target} (pass --allow-remote)")
+
+    note = fall_back_without_datasets(args)
+    if note:
+        print(note, flush=True)
 
     async def main() -> int:
         async with make_backend(args) as backend:

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdserve.bench.cli import add_slo_args, add_workload_args, bench_once, build_specs, is_loopback, write_results
+from pdserve.bench.cli import (add_slo_args, add_workload_args, bench_once, build_specs, fall_back_without_datasets,
+                               is_loopback, write_results)
 from pdserve.bench.metrics import SLO, json_safe, summarize
 from pdserve.bench.backends import GrpcBackend
 from pdserve.bench.runner import unloaded_latency
@@ -55,6 +56,9 @@ def cmd_compare(args) -> int:
     if args.peer_url and not is_loopback(f"{urlsplit(args.peer_url).hostname}:0"):
         raise SystemExit(f"--peer-url must be a loopback address, got {args.peer_url}")
     console = Console(width=None if sys.stdout.isatty() else 160)
+    note = fall_back_without_datasets(args)
+    if note:
+        console.print(f"[bold]note[/]: {note}")
     out = Path(args.out)
     rates = args.rates
     engine = engine_config_from_args(args, device="cpu")  # the cluster picks each worker's device

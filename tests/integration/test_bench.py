@@ -141,3 +141,24 @@ async def test_openai_backend_gives_the_grpc_token_counts(embedded_dir):
         assert g.output_tokens == h.output_tokens == g.max_tokens
         assert h.finish_reason == "length" and h.prefill_s > 0 and h.kv_transfer_s > 0
         assert h.token_times_s == sorted(h.token_times_s) and h.ttft_s > 0
+
+
+async def test_compare_from_an_empty_folder_without_datasets_and_a_peer(tmp_path, embedded_dir):
+    """A fresh install run anywhere: no datasets folder, so a synthetic workload; a running
+    OpenAI-compatible server (here pdserve's own HTTP API) as the third row."""
+    import os
+
+    env = {**os.environ, "PDSERVE_DATASETS": str(tmp_path / "no-datasets-here")}
+    async with local_pipeline(embedded_dir, "split", http=True) as peer:
+        cmd = PDSERVE + ["compare", "--model", "embedded", "--placements", "colocated", "--rates", "4",
+                         "--num-requests", "4", "--input-len", "24", "--output-len", "6", "--peer-url", peer.http_url,
+                         "--out", str(tmp_path / "out")]
+        run = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=600, env=env,
+                                      cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "no datasets folder found" in run.stdout and "synthetic workload" in run.stdout
+    data = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert set(data["summaries"]) == {"colocated", "peer"}
+    for per_rate in data["summaries"].values():
+        assert per_rate["4"]["completed"] == 4
+    assert "| peer |" in (tmp_path / "out" / "table.md").read_text()

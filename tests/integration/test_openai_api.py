@@ -171,3 +171,17 @@ async def test_metrics_health_and_models(embedded_dir):
                 await asyncio.sleep(0.1)
             assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
 
+
+
+async def test_chat_with_a_real_instruct_model(smollm2_dir):
+    """SmolLM2-135M-Instruct answers through the openai SDK exactly as gRPC does on the same ids."""
+    from tests.conftest import smollm2_chat_ids
+
+    question = "What is the capital of France?"
+    ids = smollm2_chat_ids(smollm2_dir, question)
+    async with local_pipeline(smollm2_dir, "split", num_kv_blocks=256, http=True) as pipe:
+        ref = await grpc_result(pipe, prompt="", prompt_token_ids=ids, max_tokens=16, temperature=0)
+        reply = await sdk(pipe).chat.completions.create(
+            model="test-model", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == ref.text and "Paris" in ref.text
+        assert reply.usage.prompt_tokens == len(ids)

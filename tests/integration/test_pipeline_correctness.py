@@ -121,3 +121,20 @@ async def test_stop_string_truncates(stories_dir, placement):
         assert res.text == ", there was a little girl named "
         assert len(res.token_ids) < 40
         assert await pipe.wait_idle() == 0
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_smollm2_chat_prompts_match_transformers(smollm2_dir, placement):
+    """A real 30-layer GQA model from a GGUF file, chat prompts rendered with its template (fp32)."""
+    from tests.conftest import smollm2_chat_ids
+
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "你好，请介绍一下你自己。"]
+    ids = [smollm2_chat_ids(smollm2_dir, q) for q in questions]
+    async with local_pipeline(smollm2_dir, placement, num_kv_blocks=256) as pipe, Client(pipe.address) as client:
+        results = await asyncio.gather(*[
+            client.generate(make_request("", prompt_token_ids=i, max_tokens=20, temperature=0)) for i in ids])
+        for prompt_ids, res in zip(ids, results):
+            assert not res.error
+            assert res.token_ids == hf_greedy(smollm2_dir, prompt_ids, 20)
+        assert "Paris" in results[0].text
+        assert await pipe.wait_idle() == 0
