@@ -79,6 +79,7 @@ class WorkerPool:
                         + [WorkerHandle.connect("decode", a) for a in decode]
                         + [WorkerHandle.connect("both", a) for a in both])
         self._poller: asyncio.Task | None = None
+        self.on_refresh: list = []  # async callables run after each stats poll
 
     @property
     def placement(self) -> str:
@@ -138,6 +139,8 @@ class WorkerPool:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
             await self.refresh()
+            for listener in self.on_refresh:
+                await listener()
 
     async def close(self) -> None:
         if self._poller is not None:

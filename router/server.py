@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from pdserve.engine.host.serving import start_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -18,6 +19,7 @@ from pdserve.router.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 PB = generate_pb2
+GENERATE_SERVICE = "pdserve.v1.GenerateService"
 
 
 class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -51,6 +53,27 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             model=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             eos_token_ids=sorted(core.tokenizer.eos_token_ids), placement=core.pool.placement,
             workers=[PB.WorkerInfo(role=w.role, address=w.address) for w in core.pool.workers])
+
+
+def _readiness(pool: WorkerPool, health_servicer):
+    """After each stats poll: the router's health (``""`` and GenerateService) is SERVING only
+    while every pool it needs has a healthy worker; each change is logged."""
+    state = {"status": None}
+
+    async def update() -> None:
+        missing = pool.roles_without_healthy_worker()
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if missing else health_pb2.HealthCheckResponse.SERVING
+        if status == state["status"]:
+            return
+        if missing:
+            log.warning("router not ready: no healthy %s worker", " or ".join(missing))
+        elif state["status"] is not None:
+            log.info("router ready again: every pool has a healthy worker")
+        state["status"] = status
+        for name in ("", GENERATE_SERVICE):
+            await health_servicer.set(name, status)
+
+    return update
 
 
 @dataclass
@@ -112,9 +135,12 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     pool = WorkerPool(list(prefill), list(decode), list(both))
     await pool.start()
     core = RouterCore(model_dir, pool, max_model_len)
+    health_servicer = health.aio.HealthServicer()
     server, bound = await start_server(
-        [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), "pdserve.v1.GenerateService")],
-        host, port)
+        [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), GENERATE_SERVICE)],
+        host, port, health_servicer)
+    pool.on_refresh.append(_readiness(pool, health_servicer))
+    await pool.on_refresh[-1]()
     running = RunningRouter(core, server, f"{host}:{bound}")
     if http_port is not None:
         try:

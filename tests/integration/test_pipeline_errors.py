@@ -223,3 +223,22 @@ async def test_context_window_is_capped_by_the_kv_cache(embedded_dir):
         assert "context window of 320 tokens" in info.value.details()
         ok = await client.generate(make_request("", prompt_token_ids=[5] * 300, max_tokens=20, ignore_eos=True))
         assert len(ok.token_ids) == 20
+
+
+async def test_router_health_says_not_serving_while_a_pool_has_no_worker(embedded_dir):
+    """Readiness tells the truth: a split router with no live prefill worker is NOT_SERVING."""
+    async with local_pipeline(embedded_dir, "split") as pipe:
+        async with grpc.aio.insecure_channel(pipe.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            async def status(service: str) -> int:
+                return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+            assert await status("") == await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.SERVING
+            await pipe.workers[0].stop()  # the prefill worker
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5.0
+            while await status("") == health_pb2.HealthCheckResponse.SERVING and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.NOT_SERVING
