@@ -75,6 +75,7 @@ class SplitBackend:
         decode_call = decode_w.decode.Decode(
             worker_pb2.DecodeRequest(request_id=req.request_id, kv_timeout_s=KV_TIMEOUT_S), timeout=timeout)
         state.calls.append(decode_call)
+        current = decode_w  # whose call a failure comes from
         try:
             await decode_call.initial_metadata()  # the decode worker now waits for this request's KV
             t_prefill = time.monotonic_ns()
@@ -83,7 +84,9 @@ class SplitBackend:
                 decode_address=decode_w.address), timeout=timeout)
             state.calls.append(prefill_call)
             try:
+                current = prefill_w
                 first = await prefill_call
+                current = decode_w
             finally:
                 prefill_w.outstanding_prefill_tokens -= n
                 prefill_w.active_requests -= 1
@@ -100,6 +103,9 @@ class SplitBackend:
 
             async for ev in _token_events(decode_call, final):
                 yield ev
+        except grpc.aio.AioRpcError as exc:
+            self.pool.call_failed(current, exc)
+            raise
         finally:
             decode_call.cancel()
             decode_w.active_requests -= 1
@@ -136,6 +142,9 @@ class ColocatedBackend:
                     prefilled = True
                     w.outstanding_prefill_tokens -= n
                 yield ev
+        except grpc.aio.AioRpcError as exc:
+            self.pool.call_failed(w, exc)
+            raise
         finally:
             call.cancel()
             if not prefilled:

@@ -91,6 +91,13 @@ class WorkerPool:
             raise NoWorkerAvailable(f"no healthy {role} worker is available")
         return ws
 
+    def call_failed(self, w: WorkerHandle, exc: grpc.aio.AioRpcError) -> None:
+        """A call to ``w`` failed: UNAVAILABLE (connection refused or lost) takes it out of routing
+        at once; its next answered stats poll brings it back."""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and w.healthy:
+            log.warning("worker %s %s unreachable: %s; routing around it", w.role, w.address, exc.details())
+            w.healthy = False
+
     def roles_without_healthy_worker(self) -> list[str]:
         """The roles this placement needs that have no healthy worker now ([] when ready)."""
         needed = ("both",) if self.placement == "colocated" else ("prefill", "decode")

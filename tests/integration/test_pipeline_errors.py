@@ -242,3 +242,16 @@ async def test_router_health_says_not_serving_while_a_pool_has_no_worker(embedde
                 await asyncio.sleep(0.05)
             assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
             assert await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+async def test_a_failed_call_takes_the_worker_out_of_routing_at_once(embedded_dir, placement):
+    """No waiting for three failed stats polls: the UNAVAILABLE call itself marks the worker down."""
+    async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
+        dead = pipe.workers[0]  # the prefill worker, or the only colocated one
+        handle = next(w for w in pipe.router.core.pool.workers if w.address == dead.address)
+        await dead.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.generate(make_request("hi", max_tokens=2))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not handle.healthy and handle.failed_polls < 3
