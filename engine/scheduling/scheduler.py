@@ -31,7 +31,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()  # in admission order
+        self._next_turn = 0  # where the next decode step starts when not all running fit one step
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
@@ -72,24 +73,38 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self) -> list[Sequence]:
+        """Up to ``max_num_seqs`` running sequences, each with room for its next token's KV.
+
+        With more running sequences than that (a decode worker admits every KV it is sent), steps
+        take them in turns, round robin from where the last step stopped, so every one advances and
+        none starves. When blocks run short, the most recently admitted sequence not yet in this
+        step's batch is preempted (or the current one, when it is that sequence)."""
+        n = len(self.running)
+        if n == 0:
+            return []
+        start = self._next_turn % n if n > self.max_num_seqs else 0
+        turn = list(self.running)
+        turn = turn[start:] + turn[:start]
         batch: list[Sequence] = []
-        while self.running and len(batch) < self.max_num_seqs:
-            seq = self.running.popleft()
+        for seq in turn:
+            if len(batch) == self.max_num_seqs:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted while this batch was built
+                continue
             while not self.blocks.can_grow(seq, seq.num_tokens):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    seq = None
+                victim = next((s for s in reversed(self.running) if s is not seq and s not in batch), seq)
+                self._preempt(victim)
+                if victim is seq:
                     break
-            if seq is None:
+            if seq.status is not SequenceStatus.RUNNING:
                 break
             self.blocks.grow(seq, seq.num_tokens)
             batch.append(seq)
-        self.running.extendleft(reversed(batch))
+        self._next_turn = start + len(batch)
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

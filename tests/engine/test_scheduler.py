@@ -240,18 +240,24 @@ def test_admit_running_joins_decode_without_a_prefill() -> None:
     assert seq.block_table[:2] == table and len(seq.block_table) == 3
 
 
-def test_decode_batch_takes_the_oldest_max_num_seqs_running() -> None:
+def test_more_running_than_max_num_seqs_take_turns_and_none_starves() -> None:
+    """A decode worker admits every KV it is sent; with 3 running and 2 per step, steps go round
+    robin, so no sequence waits for others to finish (it did: the 65th of 64 stalled for 35 s)."""
     sched = make_scheduler(max_num_seqs=2)
-    seqs = [make_seq(f"kv{i}", 3, max_tokens=3) for i in range(3)]
-    for seq in seqs:  # admission does not check max_num_seqs: three running, two per batch
+    seqs = [make_seq(f"kv{i}", 3, max_tokens=50) for i in range(3)]
+    for seq in seqs:
         seq.append_token(NEXT_TOKEN)
         sched.blocks.allocate(seq, seq.num_tokens)
         sched.admit_running(seq)
-    assert ids(step(sched).seqs) == ["kv0", "kv1"]
-    assert ids(sched.running) == ["kv0", "kv1", "kv2"]
-    assert ids(step(sched).seqs) == ["kv0", "kv1"]  # both reach max_tokens=3 and leave
-    assert ids(sched.running) == ["kv2"]
-    assert ids(step(sched).seqs) == ["kv2"]
+    turns = [ids(step(sched).seqs) for _ in range(3)]
+    assert turns == [["kv0", "kv1"], ["kv2", "kv0"], ["kv1", "kv2"]]
+    assert ids(sched.running) == ["kv0", "kv1", "kv2"]  # admission order is kept for preemption
+    for _ in range(30):
+        step(sched)
+        outputs = [s.num_output_tokens for s in seqs]
+        assert max(outputs) - min(outputs) <= 1
+    sched.finish(seqs[0], FinishReason.ABORT)
+    assert [len(step(sched).seqs) for _ in range(3)] == [2, 2, 2]  # all that remain fit one step again
 
 
 def test_find_looks_in_both_queues() -> None:
