@@ -111,9 +111,13 @@ class OpenAIBackend:
 
     async def info(self) -> ServerInfo:
         """From ``GET /v1/models``: the first model's id, ``root`` (folder) and ``max_model_len``
-        (vLLM and pdserve report both). RuntimeError when the server lists no model."""
-        r = await self.http.get("/v1/models")
-        r.raise_for_status()
+        (vLLM and pdserve report both). RuntimeError when the server cannot be reached or lists
+        no model."""
+        try:
+            r = await self.http.get("/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"cannot read {self.url}/v1/models: {type(exc).__name__}: {exc}") from None
         models = r.json().get("data") or []
         if not models:
             raise RuntimeError(f"{self.url}/v1/models lists no model")

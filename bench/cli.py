@@ -25,7 +25,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--arrival", choices=["trace", "poisson", "gamma"], default="trace",
                    help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: synthetic at --rate")
-    g.add_argument("--trace", default="azure-conv", help=f"{', '.join(TRACES)} or a CSV path; also the length source")
+    g.add_argument("--trace", default=None,
+                   help=f"{', '.join(TRACES)} or a CSV path; also the length source (default azure-conv)")
     g.add_argument("--trace-start", type=non_negative_float, default=0.0, help="window start in the trace, s")
     g.add_argument("--duration", type=positive_float, default=None, help="window length in the trace, s")
     g.add_argument("--num-requests", type=positive_int, default=20, help="requests to send (cut of the window)")
@@ -37,9 +38,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="every prompt exactly this many tokens (instead of the trace's lengths; not scaled)")
     g.add_argument("--output-len", type=positive_int, default=None,
                    help="every request exactly this many output tokens (instead of the trace's; not scaled)")
-    g.add_argument("--prompts", default=DEFAULT_PROMPTS,
+    g.add_argument("--prompts", default=None,
                    help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}; or {RANDOM_PROMPTS} "
-                        f"(random token ids, no dataset needed)")
+                        f"(random token ids, no dataset needed); default {DEFAULT_PROMPTS}")
     g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
     g.add_argument("--seed", type=non_negative_int, default=0)
 
@@ -53,17 +54,20 @@ SYNTHETIC_INPUT_LEN, SYNTHETIC_OUTPUT_LEN, SYNTHETIC_RATE = 256, 64, 1.0
 
 
 def fall_back_without_datasets(args) -> str | None:
-    """When the workload would read the datasets folder and none is found (a fresh install, run
-    from any folder, with no --datasets-dir), switch ``args`` to a synthetic workload that needs
-    no file: Poisson arrivals, random-token prompts, 256 tokens in and 64 out unless given.
-    Returns the note to print, or None when nothing changed (a CSV trace path is never replaced)."""
+    """Fill in the default trace and prompt sets, unless they would be read from a datasets folder
+    that is not there (a fresh install, run from any folder, with no --datasets-dir or
+    $PDSERVE_DATASETS) and the user chose neither: then switch ``args`` to a synthetic workload that
+    needs no file (Poisson arrivals, random-token prompts, 256 tokens in and 64 out unless given).
+    Returns the note to print about that switch, or None. A trace or prompt set the user named is
+    never replaced: reading it then fails with a message that says where it was looked for."""
     from pdserve.bench.workload import resolve_datasets_dir
 
-    if args.datasets_dir is not None or resolve_datasets_dir().is_dir():
+    chose = args.trace is not None or args.prompts is not None
+    args.trace = args.trace or "azure-conv"
+    args.prompts = args.prompts or DEFAULT_PROMPTS
+    if chose or args.datasets_dir is not None or resolve_datasets_dir().is_dir():
         return None
     reads_trace = args.arrival == "trace" or args.input_len is None or args.output_len is None
-    if args.arrival == "trace" and args.trace not in TRACES:
-        return None
     if not reads_trace and args.prompts == RANDOM_PROMPTS:
         return None
     if args.arrival == "trace":
@@ -74,7 +78,8 @@ def fall_back_without_datasets(args) -> str | None:
     args.output_len = args.output_len or SYNTHETIC_OUTPUT_LEN
     return (f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS or ../shared/datasets): running a "
             f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
-            f"{args.output_len} output tokens each")
+            f"{args.output_len} output tokens each (trace options such as --length-scale do not apply); name "
+            f"--trace/--prompts to insist on a dataset")
 
 
 def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
@@ -83,6 +88,8 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
 
     ``--input-len``/``--output-len`` fix the lengths exactly; with both and a synthetic arrival
     process the trace is not read, and with ``--prompts random`` no dataset is needed at all."""
+    args.trace = args.trace or "azure-conv"
+    args.prompts = args.prompts or DEFAULT_PROMPTS
     fixed = args.input_len is not None and args.output_len is not None
     if args.arrival == "trace" or not fixed:
         rows = window(load_trace(args.trace, args.datasets_dir), args.trace_start, args.duration, args.num_requests)
@@ -204,7 +211,8 @@ def cmd_bench(args) -> int:
             tokenizer = Tokenizer.from_folder(args.tokenizer or info.model)
             max_model_len = info.max_model_len or tokenizer.model_max_length
             specs = build_specs(args, tokenizer, max_model_len, args.rate)
-            print(f"sending {len(specs)} requests to {target} ({info.placement}, {backend.name}) over "
+            kind = backend.name if info.placement == backend.name else f"{info.placement}, {backend.name}"
+            print(f"sending {len(specs)} requests to {target} ({kind}) over "
                   f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
             t0 = time.perf_counter()
             records, interrupted = await bench_once(backend, specs, "bench", args.max_duration, args.temperature)

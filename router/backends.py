@@ -21,7 +21,8 @@ KV_TIMEOUT_S = 30.0
 
 @dataclass
 class WorkerEvent:
-    """Tokens from a worker; ``finish`` (a FinishReason value) and ``timings`` are set on the last one."""
+    """Tokens from a worker; ``finish`` (a FinishReason value) is set on the last one, ``timings``
+    on the last one and on any earlier one that knows some phases already."""
 
     token_ids: list[int]
     finish: int = generate_pb2.FINISH_REASON_UNSPECIFIED
@@ -94,7 +95,7 @@ class SplitBackend:
             if first.finish_reason:
                 yield WorkerEvent([first.first_token], first.finish_reason, timings)
                 return
-            yield WorkerEvent([first.first_token])
+            yield WorkerEvent([first.first_token], timings=timings)  # queue and prefill are known now
 
             def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
                 timings.kv_transfer_ns, timings.decode_ns = worker.kv_transfer_ns, worker.decode_ns

@@ -86,13 +86,15 @@ class RouterCore:
                 self.metrics.token_arrival(now - (last_ns or t0), first=last_ns is None)
                 last_ns = now
                 usage.completion_tokens += len(ev.token_ids)
+                if ev.timings is not None:  # phases known so far survive a stop string's early end
+                    timings = ev.timings
                 text = detok.add(ev.token_ids)
                 yield PB.GenerateResponse(chunk=PB.Chunk(token_ids=ev.token_ids, text=text, usage=usage))
                 if detok.stopped:
                     finish = PB.FINISH_REASON_STOP
                     break
                 if ev.finish:
-                    finish, timings = ev.finish, ev.timings
+                    finish = ev.finish
                     break
         except NoWorkerAvailable as exc:
             self.metrics.rejected("unavailable")

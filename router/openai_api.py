@@ -22,10 +22,12 @@ from typing import AsyncIterator
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.chat import ChatTemplate, ChatTemplateError
 from pdserve.router.core import RequestRejected, RouterCore
 from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.validation import InvalidRequest, check_text_fits
 from pdserve.router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, ResponseShape, error_body,
                                             parse, timings_json)
 
@@ -35,6 +37,7 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND:
                grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAVAILABLE: 503,
                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 DISCONNECT_POLL_S = 0.2
+MAX_BODY_BYTES = 64 << 20  # as the gRPC API's largest message
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -52,11 +55,10 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
     names = {model_name, str(core.model_dir), core.model_dir.name}
 
     async def read(request: Request, kind):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-        req = parse(kind, body)
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted")
+        req = await asyncio.to_thread(parse, kind, body)
         if req.model is not None and req.model not in names:
             raise LookupError(f"The model `{req.model}` does not exist; this server serves `{model_name}`.")
         return req
@@ -68,14 +70,19 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
                 gen_req = req.to_generate_request()
             else:
                 req = await read(request, ChatRequest)
-                text = chat_template.render([m.for_template() for m in req.messages], req.add_generation_prompt)
+                text = chat_template.render([m.for_template() for m in req.messages],
+                                            req.add_generation_prompt is not False)
+                check_text_fits(text, core.tokenizer, core.max_model_len)
                 ids = await asyncio.to_thread(core.tokenizer.encode, text, False)
                 gen_req = req.to_generate_request(ids)
         except BadRequest as exc:
+            core.metrics.rejected("invalid")
             return _error(str(exc), 400, exc.param)
-        except ChatTemplateError as exc:
+        except (ChatTemplateError, InvalidRequest) as exc:
+            core.metrics.rejected("invalid")
             return _error(str(exc), 400, "messages")
         except LookupError as exc:
+            core.metrics.rejected("invalid")
             return _error(str(exc), 404, "model")
         gen_req.request_id = uuid.uuid4().hex
         stream = core.generate(gen_req, None)
@@ -85,7 +92,7 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
             await stream.aclose()
             return _error(exc.message, HTTP_STATUS.get(exc.code, 500))
         shape = ResponseShape(kind, gen_req.request_id, model_name)
-        if req.stream:
+        if req.streaming:
             return StreamingResponse(_stream(stream, first, shape, req.include_usage), media_type="text/event-stream")
         return await _collect(request, stream, first, shape)
 
@@ -97,12 +104,24 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
     async def chat_completions(request: Request):
         return await handle(request, "chat")
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve", "root": str(core.model_dir),
+            "max_model_len": core.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                                            "root": str(core.model_dir), "max_model_len": core.max_model_len}]}
+        return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in names:
+            return _error(f"The model `{model_id}` does not exist; this server serves `{model_name}`.", 404, "model")
+        return card
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, wrong methods
+        return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         missing = core.pool.roles_without_healthy_worker()
         if missing:

@@ -33,13 +33,15 @@ class BadRequest(ValueError):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = False
 
 
 class _Common(BaseModel):
-    """Fields both endpoints take; unknown fields are ignored, as OpenAI-compatible servers do."""
+    """Fields both endpoints take; unknown fields are ignored, as OpenAI-compatible servers do.
+    Types are strict (``"5"`` is no integer, ``true`` no token id); ``null`` means the default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     temperature: float | None = None
@@ -47,22 +49,25 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=(1 << 31) - 1)  # -1 (vLLM) or 0 disables
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     logprobs: Any = None
+    echo: bool | None = False
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
+    def _one_choice(cls, n: int | None) -> int:
+        if n not in (None, 1):
             raise ValueError(f"only n=1 is supported, got n={n}; send {n} requests instead")
-        return n
+        return 1
 
     def _generate_request(self, **prompt) -> PB.GenerateRequest:
         if self.logprobs not in (None, False):
             raise BadRequest("logprobs are not supported", "logprobs")
+        if self.echo:
+            raise BadRequest("echo is not supported", "echo")
         sampling = PB.SamplingParams()
         if self.temperature is not None:
             sampling.temperature = self.temperature
@@ -73,7 +78,7 @@ class _Common(BaseModel):
         if self.seed is not None:
             sampling.seed = self.seed
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        req = PB.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=self.ignore_eos, **prompt)
+        req = PB.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=bool(self.ignore_eos), **prompt)
         max_tokens = self._max_tokens()
         if max_tokens is not None:
             req.max_tokens = max_tokens
@@ -85,6 +90,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
 
 class CompletionRequest(_Common):
@@ -105,7 +114,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[dict] | None = None
 
@@ -122,7 +131,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -131,14 +140,17 @@ class ChatRequest(_Common):
         return self._generate_request(prompt_token_ids=prompt_token_ids)
 
 
-def parse(model: type[_Common], body: Any) -> _Common:
-    """The request, or BadRequest naming the first field that does not fit."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+def parse(model: type[_Common], body: bytes | str) -> _Common:
+    """The request from its raw JSON body, or BadRequest naming the first field that does not fit
+    (malformed JSON, lone UTF-16 surrogates and over-deep nesting included)."""
     try:
-        return model.model_validate(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise BadRequest(f"the request body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise BadRequest("the request body must be a JSON object") from None
         # a union's errors name its member types in the location ("prompt", "list[int]", 0): drop them
         path = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _TYPE_NAMES or "[" in x))]
         param = ".".join(path) or None

@@ -42,6 +42,16 @@ def sampling_defaults(model_dir: Path) -> dict[str, float]:
     return {k: cfg[k] for k in SAMPLING_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
 
 
+def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+    """InvalidRequest, without tokenizing, when ``text`` has too many bytes to fit the context
+    window: tokenizing megabytes holds the GIL for seconds, and every other request with it.
+    The bound is ``Tokenizer.max_token_bytes``, with 2x slack for normalizers that shrink text."""
+    at_least = len(text.encode("utf-8", "surrogatepass")) // (2 * tokenizer.max_token_bytes)
+    if at_least >= max_model_len:
+        raise InvalidRequest(f"prompt has at least {at_least} tokens ({len(text)} characters); the context "
+                             f"window is {max_model_len} tokens (prompt + max_tokens must fit)")
+
+
 def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
              vocab_size: int, defaults: dict[str, float] | None = None) -> ValidatedRequest:
     """Tokenize and resolve defaults: a sampling field left unset takes ``defaults`` (the model's
@@ -53,20 +63,21 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
         ids = list(req.prompt_token_ids)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            errors.append(f"prompt_token_ids out of range [0, {vocab_size}): {bad[:5]}")
+            errors.append(f"prompt token ids out of range: each must be in [0, {vocab_size}), got {bad[:5]}")
     elif req.prompt:
+        check_text_fits(req.prompt, tokenizer, max_model_len)
         ids = tokenizer.encode(req.prompt)
     else:
         ids = []
     if not ids:
-        errors.append("prompt is empty: send a non-empty prompt or prompt_token_ids")
+        errors.append("prompt is empty: send a non-empty prompt (text or token ids)")
     n = len(ids)
     if n >= max_model_len:
         errors.append(f"prompt has {n} tokens; the context window is {max_model_len} tokens "
                       f"(prompt + max_tokens must fit)")
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
-        if max_tokens >= 1 and n + max_tokens > max_model_len:
+        if max_tokens >= 1 and n < max_model_len and n + max_tokens > max_model_len:
             errors.append(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
                           f"the context window of {max_model_len} tokens")
     else:

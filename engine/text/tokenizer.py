@@ -8,6 +8,7 @@ text as the Hugging Face tokenizer of the same folder.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
@@ -170,6 +171,15 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry (added tokens included). No token stands
+        for more input bytes than its entry has (byte-level and SentencePiece entries spell their
+        bytes with at least as many), so ``len(text.encode()) / max_token_bytes`` tokens is a
+        lower bound on ``len(encode(text))`` that costs no tokenization."""
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.backend.get_vocab(with_added_tokens=True)),
+                   default=1) or 1
 
     def decode(self, ids: Sequence[int]) -> str:
         """Return the text of ``ids`` with special tokens skipped and no space clean-up.

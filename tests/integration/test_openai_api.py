@@ -107,10 +107,41 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await api.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
-            r = await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": "many"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            raw_cases = [  # (body, words in the message or the named param)
+                (b"{not json", "not valid JSON"), (b"[" * 5000, "not valid JSON"),
+                (b'{"prompt": "hi \\ud800", "max_tokens": 2}', "not valid JSON"),
+                (b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}', "not valid JSON"),
+                (b'[1, 2]', "JSON object"),
+                (b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"), (b'{"prompt": "hi", "max_tokens": true}', "max_tokens"),
+                (b'{"prompt": [true, false]}', "prompt"), (b'{"prompt": "hi", "stream": "yes"}', "stream"),
+                (b'{"prompt": [1099511627776]}', "prompt"),
+            ]
+            for body, words in raw_cases:
+                path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+                r = await http.post(path, content=body, headers={"content-type": "application/json"})
+                err = r.json()["error"]
+                assert r.status_code == 400, (body[:40], r.text[:200])
+                assert words in err["message"] or err["param"] == words, (body[:40], err)
+            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None, "stream": None,
+                                                         "ignore_eos": None, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            r = await http.get("/v1/nowhere")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+            r = await http.get("/v1/completions")
+            assert r.status_code == 405 and "error" in r.json()
+            assert (await http.head("/health")).status_code == 200
+            assert (await http.get("/v1/models/test-model")).json()["id"] == "test-model"
+            assert (await http.get("/v1/models/gpt-9")).status_code == 404
+            # a 20 MB prompt is refused without being tokenized, and does not hold up the others
+            huge = asyncio.create_task(http.post("/v1/completions", json={"prompt": "word " * 4_000_000}, timeout=60))
+            t = asyncio.get_running_loop().time()
+            small = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            assert small.status_code == 200 and asyncio.get_running_loop().time() - t < 5.0
+            r = await huge
+            assert r.status_code == 400 and "at least" in r.json()["error"]["message"]
+            too_big = await http.post("/v1/completions", content=b" " * (65 << 20), timeout=60,
+                                      headers={"content-type": "application/json"})
+            assert too_big.status_code == 400 and "bytes" in too_big.json()["error"]["message"]
         ok = await api.completions.create(model="test-model", prompt="hi", max_tokens=3, temperature=0)
         assert ok.usage.completion_tokens == 3
         assert await pipe.wait_idle() == 0

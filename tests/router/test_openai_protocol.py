@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from pdserve.router.openai_protocol import BadRequest, ChatRequest, CompletionRequest, parse
+from pdserve.router.openai_protocol import BadRequest, ChatRequest, CompletionRequest
+from pdserve.router.openai_protocol import parse as parse_json
+
+
+def parse(model, body):
+    return parse_json(model, json.dumps(body))
 
 
 def test_completion_fields_map_onto_the_generate_request():
@@ -32,6 +39,8 @@ def test_chat_prefers_max_completion_tokens():
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "hi", "seed": -5}, "seed"),
     ({"prompt": 5}, "prompt"),
+    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "hi", "ignore_eos": "no"}, "ignore_eos"),
     ({}, "prompt"),
     ({"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
 ])
