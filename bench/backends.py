@@ -56,9 +56,9 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self.address = address
-        self.client = Client(address)
+        self.client = Client(address, api_key)
 
     async def __aenter__(self) -> "GrpcBackend":
         await self.client.__aenter__()
@@ -98,9 +98,10 @@ class OpenAIBackend:
 
     name = "openai"
 
-    def __init__(self, url: str, model: str | None = None) -> None:
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None) -> None:
         self.url, self.model = url.rstrip("/"), model
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0),
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0), headers=headers,
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def __aenter__(self) -> "OpenAIBackend":

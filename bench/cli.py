@@ -182,13 +182,17 @@ async def bench_once(backend, specs: list[RequestSpec], run_id: str, max_duratio
 
 def make_backend(args):
     """The Backend ``--backend`` names, at ``--router`` (grpc) or ``--url`` (openai)."""
-    from pdserve.bench.backends import GrpcBackend, OpenAIBackend
+    import os
 
+    from pdserve.bench.backends import GrpcBackend, OpenAIBackend
+    from pdserve.engine.host.auth import API_KEY_ENV
+
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.backend == "openai":
         if not args.url:
             raise SystemExit("--backend openai needs --url http://HOST:PORT")
-        return OpenAIBackend(args.url, args.served_model)
-    return GrpcBackend(args.router)
+        return OpenAIBackend(args.url, args.served_model, args.api_key)
+    return GrpcBackend(args.router, args.api_key)
 
 
 def cmd_bench(args) -> int:
@@ -242,6 +246,7 @@ def add_bench_parser(sub) -> None:
                         "(streaming /v1/completions, token-id prompts, ignore_eos)")
     p.add_argument("--router", default="127.0.0.1:50051", help="router host:port (--backend grpc)")
     p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
     p.add_argument("--served-model", default=None,
                    help="model id to send (--backend openai; default: the first of GET /v1/models)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback router address")

@@ -13,6 +13,14 @@ def _advertised_host(bind_host: str) -> str:
     return ray.util.get_node_ip_address() if bind_host == "0.0.0.0" else bind_host
 
 
+def _set_secret(secret: str | None) -> None:
+    """Every pdserve server and internal channel of this actor's process reads the secret from here."""
+    from pdserve.engine.host.auth import SECRET_ENV
+
+    if secret:
+        os.environ[SECRET_ENV] = secret
+
+
 @ray.remote
 class WorkerActor:
     """One worker process; its role is fixed by ``start``."""
@@ -20,11 +28,14 @@ class WorkerActor:
     def __init__(self) -> None:
         self.running = None
 
-    async def start(self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None) -> str:
+    async def start(self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None,
+                    secret: str | None = None) -> str:
         """Build the engine, serve the role's gRPC services; returns the advertised "host:port".
 
-        ``cpus``: pin this process (and the engine and torch threads it starts) to these CPU ids."""
+        ``cpus``: pin this process (and the engine and torch threads it starts) to these CPU ids.
+        ``secret``: the cluster secret every internal call must carry (auth.SECRET_ENV)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        _set_secret(secret)
         if cpus:
             os.sched_setaffinity(0, cpus)
             logging.getLogger(__name__).info("%s worker pinned to CPUs %s", role, cpus)
@@ -55,13 +66,15 @@ class RouterActor:
 
     async def start(self, model_dir: str, prefill: list[str], decode: list[str], both: list[str],
                     bind_host: str, port: int, max_model_len: int | None, http_port: int | None = None,
-                    model_name: str | None = None) -> tuple[str, str | None]:
+                    model_name: str | None = None, api_keys: tuple[str, ...] = (),
+                    secret: str | None = None) -> tuple[str, str | None]:
         """Serve; returns the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        _set_secret(secret)
         from pdserve.router.server import serve
 
         self.running = r = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len,
-                                       http_port=http_port, model_name=model_name)
+                                       http_port=http_port, model_name=model_name, api_keys=api_keys)
         host = _advertised_host(bind_host)
         http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
         return f"{host}:{r.address.rsplit(':', 1)[1]}", http

@@ -18,13 +18,15 @@ DEFAULT_HTTP_PORT = 8000
 
 def _cluster_config(args):
     from pdserve.cluster.config import ClusterConfig
+    from pdserve.engine.host.auth import API_KEY_ENV, parse_api_keys
     from pdserve.engine.host.cli_args import engine_config_from_args
 
     return ClusterConfig(engine=engine_config_from_args(args, device="cpu"), placement=args.placement,
                          num_prefill=args.prefill, num_decode=args.decode,
                          cpus_per_worker=args.cpus_per_worker, router_host=args.host,
                          router_port=args.port, ray_address=args.address, device=args.device,
-                         http_port=getattr(args, "http_port", 0) or None)
+                         http_port=getattr(args, "http_port", 0) or None,
+                         api_keys=parse_api_keys(getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)))
 
 
 def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
@@ -89,7 +91,7 @@ def cmd_generate(args) -> int:
         req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                            ignore_eos=args.ignore_eos)
-        async with Client(args.router or f"127.0.0.1:{args.port}") as client:
+        async with Client(args.router or f"127.0.0.1:{args.port}", args.api_key) as client:
             try:
                 res = await client.generate(req, timeout=args.timeout,
                                             on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
@@ -134,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(p)
     p.add_argument("--http-port", type=port, default=DEFAULT_HTTP_PORT,
                    help="OpenAI-compatible HTTP API and /metrics, on --host (0 turns it off)")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'authorization: Bearer KEY' (gRPC metadata or HTTP header); "
+                        "comma-separate several; default $PDSERVE_API_KEY, else no key")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="stream one completion from a running router")
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
 

@@ -22,6 +22,8 @@ class ClusterConfig:
     ``ray_address`` None starts a local Ray instance; otherwise joins that cluster.
     ``http_port``: the router's OpenAI-compatible HTTP port (0: any free port; None: no HTTP), on
     ``router_host``. ``model_name``: the model id HTTP clients send (default: the model folder's name).
+    ``api_keys``: the keys clients must present (``authorization: Bearer``); empty: none. Internal
+    calls always carry a secret the cluster makes at start.
     """
 
     engine: EngineConfig
@@ -33,6 +35,7 @@ class ClusterConfig:
     router_port: int = 50051
     http_port: int | None = None
     model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
     ray_address: str | None = None
     device: str | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ class Cluster:
     config: ClusterConfig
     address: str = ""
     http_address: str | None = None
+    secret: str = field(default="", repr=False)  # what internal calls carry (an admin may use it too)
     workers: dict[str, str] = field(default_factory=dict)
     _actors: list = field(default_factory=list, repr=False)
     _started_ray: bool = False
@@ -89,7 +91,8 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         # pin CPU workers to their own cores on a local machine (a remote cluster's nodes are its own)
         pin = started and not use_gpu and sys.platform.startswith("linux")
         cpu_sets = cfg.cpu_sets(os.cpu_count() or 1) if pin else None
-        addresses = ray.get([a.start.remote(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None)
+        secret = cluster.secret = secrets.token_hex(32)  # internal calls carry it; strangers do not have it
+        addresses = ray.get([a.start.remote(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret)
                              for i, (a, r) in enumerate(zip(actors, roles))], timeout=START_TIMEOUT_S)
         cluster.workers = dict(zip(addresses, roles))
         by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "both")}
@@ -98,7 +101,7 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         router_bind = cfg.router_host if started else "0.0.0.0"
         cluster.address, cluster.http_address = ray.get(router.start.remote(
             str(model_dir), by_role["prefill"], by_role["decode"], by_role["both"], router_bind,
-            cfg.router_port, cfg.engine.max_model_len, cfg.http_port, model_name),
+            cfg.router_port, cfg.engine.max_model_len, cfg.http_port, model_name, cfg.api_keys, secret),
             timeout=START_TIMEOUT_S)
     except KeyboardInterrupt:
         cluster.stop()

@@ -7,6 +7,7 @@ import grpc
 from pdserve.engine.kv.codec import Frame
 from pdserve.engine.kv.framing import DEFAULT_CHUNK_BYTES, iter_chunks
 from pdserve.engine.kv.transfer import KvTransferError
+from pdserve.engine.host.auth import internal_channel
 from pdserve.engine.host.serving import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2
 
@@ -53,7 +54,7 @@ class GrpcKvSender:
     def _push_kv(self, target: str) -> grpc.aio.StreamUnaryMultiCallable:
         call = self._calls.get(target)
         if call is None:
-            channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+            channel = internal_channel(target, GRPC_OPTIONS)
             self._channels.append(channel)
             call = self._calls[target] = channel.stream_unary(
                 PUSH_KV_METHOD, request_serializer=encode_kv_chunk,

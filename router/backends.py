@@ -31,10 +31,12 @@ class WorkerEvent:
 
 @dataclass
 class RequestState:
-    """What Abort needs to stop a request: its open worker calls."""
+    """What Abort needs to stop a request: its open worker calls, and who owns it (the index of
+    the API key it came with; None without keys)."""
 
     calls: list = field(default_factory=list)
     aborted: bool = False
+    owner: int | None = None
 
     def abort(self) -> None:
         self.aborted = True

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 
+from pdserve.engine.host.auth import API_KEY_ENV, client_channel
 from pdserve.engine.host.serving import GRPC_OPTIONS
 from pdserve.v1 import generate_pb2 as PB
 from pdserve.v1 import generate_pb2_grpc
@@ -61,8 +63,9 @@ def make_request(prompt: str, max_tokens: int | None = None, temperature: float 
 class Client:
     """Async client over one channel to the router at ``address`` ("host:port")."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    def __init__(self, address: str, api_key: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer`` on every call (default $PDSERVE_API_KEY)."""
+        self.channel = client_channel(address, GRPC_OPTIONS, api_key or os.environ.get(API_KEY_ENV) or None)
         self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
 
     async def __aenter__(self) -> "Client":

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.host.auth import bearer, key_index
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2
@@ -41,7 +42,7 @@ class RouterCore:
     """
 
     def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, api_keys: tuple[str, ...] = ()) -> None:
         self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer.from_folder(model_dir)
         cfg = ModelConfig.from_folder(model_dir)
@@ -53,12 +54,18 @@ class RouterCore:
         self.backend = ColocatedBackend(pool) if pool.placement == "colocated" else SplitBackend(pool)
         self.inflight: dict[str, RequestState] = {}
         self.metrics = metrics or RouterMetrics(pool)
+        self.api_keys = api_keys  # empty: no authentication
 
-    async def generate(self, request: PB.GenerateRequest, timeout: float | None
+    def owner_of(self, metadata) -> int | None:
+        """The index of the API key in ``metadata`` (gRPC metadata or HTTP headers as pairs)."""
+        return key_index(self.api_keys, bearer(metadata)) if self.api_keys else None
+
+    async def generate(self, request: PB.GenerateRequest, timeout: float | None, owner: int | None = None
                        ) -> AsyncIterator[PB.GenerateResponse]:
         """The response stream of one request: chunks, then one ``complete`` or ``error`` message.
 
-        ``timeout``: seconds left of the client's deadline (None: none). Raises RequestRejected
+        ``timeout``: seconds left of the client's deadline (None: none); ``owner``: the caller's
+        API key index, which Abort must match. Raises RequestRejected
         before the first message when the request cannot start; a failure after tokens were
         streamed ends the stream with an ``error`` message instead. Cancelling the consumer cancels
         the worker calls, which free the request's KV blocks.
@@ -74,7 +81,7 @@ class RouterCore:
         if req.request_id in self.inflight:
             self.metrics.rejected("invalid")
             raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is already in flight")
-        state = RequestState()
+        state = RequestState(owner=owner)
         self.inflight[req.request_id] = state
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         usage = PB.Usage(prompt_tokens=len(req.prompt_token_ids))
@@ -124,9 +131,11 @@ class RouterCore:
         yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,
                                                        timings=timings, request_id=req.request_id))
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request in flight; False when no such request is running."""
+    def abort(self, request_id: str, owner: int | None = None) -> bool:
+        """Cancel a request in flight that ``owner`` (an API key index) sent; False when no such
+        request of that owner is running."""
         state = self.inflight.get(request_id)
-        if state is not None:
-            state.abort()
-        return state is not None
+        if state is None or state.owner != owner:
+            return False
+        state.abort()
+        return True

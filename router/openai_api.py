@@ -63,7 +63,16 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
             raise LookupError(f"The model `{req.model}` does not exist; this server serves `{model_name}`.")
         return req
 
+    def unauthorized(request: Request) -> JSONResponse | None:
+        if core.api_keys and core.owner_of(request.headers.items()) is None:
+            core.metrics.rejected("invalid")
+            log.warning("refused %s %s: missing or wrong API key", request.method, request.url.path)
+            return JSONResponse(error_body("missing or wrong API key (authorization: Bearer)", 401), status_code=401)
+        return None
+
     async def handle(request: Request, kind: str):
+        if (refused := unauthorized(request)) is not None:
+            return refused
         try:
             if kind == "completion":
                 req = await read(request, CompletionRequest)
@@ -85,7 +94,7 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
             core.metrics.rejected("invalid")
             return _error(str(exc), 404, "model")
         gen_req.request_id = uuid.uuid4().hex
-        stream = core.generate(gen_req, None)
+        stream = core.generate(gen_req, None, core.owner_of(request.headers.items()))
         try:
             first = await anext(stream)
         except RequestRejected as exc:
@@ -108,11 +117,13 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
             "max_model_len": core.max_model_len}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card]}
+    async def models(request: Request):
+        return unauthorized(request) or {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
+    async def model(request: Request, model_id: str):
+        if (refused := unauthorized(request)) is not None:
+            return refused
         if model_id not in names:
             return _error(f"The model `{model_id}` does not exist; this server serves `{model_name}`.", 404, "model")
         return card

@@ -9,6 +9,7 @@ from functools import cached_property
 
 import grpc
 
+from pdserve.engine.host.auth import internal_channel
 from pdserve.engine.host.serving import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -47,7 +48,7 @@ class WorkerHandle:
 
     @classmethod
     def connect(cls, role: str, address: str) -> "WorkerHandle":
-        return cls(role, address, grpc.aio.insecure_channel(address, options=GRPC_OPTIONS))
+        return cls(role, address, internal_channel(address, GRPC_OPTIONS))
 
     @cached_property
     def prefill(self) -> worker_pb2_grpc.PrefillServiceStub:

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from pdserve.engine.host.auth import require_api_key
 from pdserve.engine.host.serving import start_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from pdserve.router.core import RequestRejected, RouterCore
@@ -35,7 +36,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.core = core
 
     async def Generate(self, request: PB.GenerateRequest, context: grpc.aio.ServicerContext):
-        stream = self.core.generate(request, context.time_remaining())
+        stream = self.core.generate(request, context.time_remaining(), self.core.owner_of(context.invocation_metadata()))
         try:
             async for message in stream:
                 yield message
@@ -45,7 +46,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             await stream.aclose()
 
     async def Abort(self, request: PB.AbortRequest, context) -> PB.AbortResponse:
-        return PB.AbortResponse(aborted=self.core.abort(request.request_id))
+        return PB.AbortResponse(aborted=self.core.abort(request.request_id,
+                                                        self.core.owner_of(context.invocation_metadata())))
 
     async def GetModelInfo(self, request, context) -> PB.ModelInfo:
         core = self.core
@@ -121,11 +123,14 @@ async def start_http(core: RouterCore, model_name: str, host: str, port: int):
 
 async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = (), both: list[str] = (),
                 host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None,
-                http_port: int | None = None, model_name: str | None = None) -> RunningRouter:
+                http_port: int | None = None, model_name: str | None = None,
+                api_keys: tuple[str, ...] = ()) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``both``) pool.
 
     ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
     ``model_name``: the model id HTTP clients send (default: the model folder's name).
+    ``api_keys``: when given, both APIs want ``authorization: Bearer <one of them>`` (else
+    UNAUTHENTICATED / HTTP 401); health, reflection and /metrics stay open.
     ValueError when the pool is neither split nor colocated; OSError when a port cannot be bound.
     """
     if both and (prefill or decode):
@@ -134,11 +139,11 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
         raise ValueError("split placement needs at least one prefill and one decode worker")
     pool = WorkerPool(list(prefill), list(decode), list(both))
     await pool.start()
-    core = RouterCore(model_dir, pool, max_model_len)
+    core = RouterCore(model_dir, pool, max_model_len, api_keys=tuple(api_keys))
     health_servicer = health.aio.HealthServicer()
     server, bound = await start_server(
         [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), GENERATE_SERVICE)],
-        host, port, health_servicer)
+        host, port, health_servicer, interceptors=[require_api_key(core.api_keys)] if core.api_keys else None)
     pool.on_refresh.append(_readiness(pool, health_servicer))
     await pool.on_refresh[-1]()
     running = RunningRouter(core, server, f"{host}:{bound}")

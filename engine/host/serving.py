@@ -22,16 +22,18 @@ GRPC_OPTIONS = [
 
 async def start_server(register: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
                        host: str = "127.0.0.1", port: int = 0,
-                       health_servicer: health.aio.HealthServicer | None = None) -> tuple[grpc.aio.Server, int]:
+                       health_servicer: health.aio.HealthServicer | None = None,
+                       interceptors: list | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection
     (v1 and v1alpha), which list exactly the services this server serves.
 
     register: (add_XServicer_to_server, servicer, full service name) triples. Every service is
     reported SERVING; pass ``health_servicer`` to change that later (the router reports
-    NOT_SERVING while a pool has no healthy worker). Returns the server and the bound port
+    NOT_SERVING while a pool has no healthy worker). ``interceptors``: server interceptors, such as
+    ``auth.require_api_key`` (health and reflection stay open). Returns the server and the bound port
     (``port=0`` picks a free one). Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     names = [reflection_v1.SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME]
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -172,14 +172,17 @@ class RunningWorker:
 async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int) -> RunningWorker:
     """Start ``worker.host`` and a gRPC server with the role service + WorkerService.
 
-    ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes.
+    ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes. With a
+    cluster secret in the environment (``auth.SECRET_ENV``), calls without it are UNAUTHENTICATED.
     """
+    from pdserve.engine.host.auth import cluster_secret, require_cluster_secret
     from pdserve.engine.host.serving import start_server
 
+    secret = cluster_secret()
     worker.host.start()
     stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)
     server, bound = await start_server([
         (add_role_servicer, worker, role_service),
         (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
-    ], host, port)
+    ], host, port, interceptors=[require_cluster_secret(secret)] if secret else None)
     return RunningWorker(worker, server, f"{host}:{bound}")

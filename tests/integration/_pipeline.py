@@ -22,11 +22,11 @@ class Pipeline:
 
     async def used_blocks(self) -> int:
         """Sum of used KV blocks over all workers, read through WorkerService.GetStats."""
-        import grpc
+        from pdserve.engine.host.auth import internal_channel
 
         total = 0
         for w in self.workers:
-            async with grpc.aio.insecure_channel(w.address) as ch:
+            async with internal_channel(w.address, None) as ch:
                 s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
                 total += s.used_kv_blocks + s.num_waiting + s.num_running
         return total
@@ -43,7 +43,8 @@ class Pipeline:
 
 @asynccontextmanager
 async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
-                         block_size: int = 16, dtype: str = "float32", http: bool = False, **engine_kw):
+                         block_size: int = 16, dtype: str = "float32", http: bool = False,
+                         api_keys: tuple[str, ...] = (), **engine_kw):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``)."""
     import pdserve.decode_worker.colocated as colocated
@@ -57,11 +58,12 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
     if placement == "split":
         workers = list(await asyncio.gather(prefill.serve(cfg), decode.serve(cfg)))
         r = await router.serve(model, prefill=[workers[0].address], decode=[workers[1].address],
-                               http_port=0 if http else None, model_name="test-model")
+                               http_port=0 if http else None, model_name="test-model",
+                               api_keys=api_keys)
     else:
         workers = [await colocated.serve(cfg)]
         r = await router.serve(model, both=[workers[0].address], http_port=0 if http else None,
-                               model_name="test-model")
+                               model_name="test-model", api_keys=api_keys)
     try:
         yield Pipeline(r.address, workers, r)
     finally:

@@ -29,12 +29,18 @@ def split_cluster(request):
 
 
 async def _used_blocks(cluster) -> int:
+    """Through WorkerService, which wants the cluster's secret (a stranger gets UNAUTHENTICATED)."""
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     total = 0
     for address in cluster.workers:
         async with grpc.aio.insecure_channel(address) as ch:
-            s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        metadata = (("x-pdserve-cluster-secret", cluster.secret),)
+        async with grpc.aio.insecure_channel(address) as ch:
+            s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest(), metadata=metadata)
             total += s.used_kv_blocks + s.num_running + s.num_waiting
     return total
 

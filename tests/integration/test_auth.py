@@ -1,0 +1,67 @@
+"""API keys on the client-facing APIs; the cluster secret on every internal call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.engine.host.auth import SECRET_ENV
+from pdserve.router.client import Client, make_request
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.integration._pipeline import local_pipeline
+
+
+async def test_api_keys_guard_both_apis_and_abort_is_per_key(embedded_dir, monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    async with local_pipeline(embedded_dir, "split", http=True, api_keys=("key-a", "key-b")) as pipe:
+        for key in (None, "wrong"):
+            async with Client(pipe.address, key) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await client.generate(make_request("hi", max_tokens=2))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in info.value.details()
+                assert "key-a" not in info.value.details()
+        async with grpc.aio.insecure_channel(pipe.address) as ch:  # health stays open
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        async with Client(pipe.address, "key-a") as a, Client(pipe.address, "key-b") as b:
+            assert len((await a.generate(make_request("hi", max_tokens=3, temperature=0))).token_ids) == 3
+            long = asyncio.create_task(a.generate(make_request("hi", max_tokens=500, ignore_eos=True,
+                                                               request_id="mine")))
+            await asyncio.sleep(0.3)
+            assert await b.abort("mine") is False  # another key's request: no effect
+            assert await a.abort("mine") is True
+            assert (await long).finish_reason == "abort"
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=pipe.http_url + "/v1", api_key="wrong", max_retries=0).completions.create(
+                model="test-model", prompt="hi", max_tokens=2)
+        ok = await openai.AsyncOpenAI(base_url=pipe.http_url + "/v1", api_key="key-b", max_retries=0).completions.create(
+            model="test-model", prompt="hi", max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            assert (await http.get("/v1/models")).status_code == 401
+            assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
+        assert await pipe.wait_idle() == 0
+
+
+async def test_internal_calls_need_the_cluster_secret(embedded_dir, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "cluster-secret-for-this-test")
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        res = await client.generate(make_request("Once upon a time", max_tokens=5, temperature=0))
+        assert len(res.token_ids) == 5 and not res.error  # router -> workers and prefill -> decode carry it
+        for w in pipe.workers:
+            async with grpc.aio.insecure_channel(w.address) as ch:  # a stranger: no secret
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+        async with grpc.aio.insecure_channel(pipe.workers[1].address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await worker_pb2_grpc.DecodeServiceStub(ch).PushKv(iter([worker_pb2.KvChunk(data=b"x" * 64)]))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert await pipe.wait_idle() == 0
