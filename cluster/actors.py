@@ -27,6 +27,14 @@ class WorkerActor:
 
     def __init__(self) -> None:
         self.running = None
+        self.advertised: str | None = None
+
+    def address(self) -> str | None:
+        """The advertised "host:port" once started; None in a fresh (or Ray-restarted) process."""
+        return self.advertised
+
+    def pid(self) -> int:
+        return os.getpid()
 
     async def start(self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None,
                     secret: str | None = None) -> str:
@@ -46,7 +54,8 @@ class WorkerActor:
         else:
             from pdserve.decode_worker.colocated import serve
         self.running = await serve(engine_cfg, bind_host, 0)
-        return f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
+        self.advertised = f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
+        return self.advertised
 
     def affinity(self) -> list[int]:
         """CPU ids this worker's engine thread may run on (Linux)."""
@@ -78,6 +87,10 @@ class RouterActor:
         host = _advertised_host(bind_host)
         http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
         return f"{host}:{r.address.rsplit(':', 1)[1]}", http
+
+    async def replace_worker(self, old: str, new: str, role: str) -> None:
+        """A restarted worker serves at ``new`` instead of ``old``."""
+        await self.running.core.pool.replace(old, new, role)
 
     async def stop(self) -> None:
         if self.running is not None:

@@ -13,9 +13,11 @@ import ray
 
 from pdserve.cluster.actors import RouterActor, WorkerActor
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.supervisor import Supervised, Supervisor
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
+WORKER_MAX_RESTARTS = 10  # per worker, over the cluster's life
 
 
 @dataclass
@@ -28,11 +30,15 @@ class Cluster:
     http_address: str | None = None
     secret: str = field(default="", repr=False)  # what internal calls carry (an admin may use it too)
     workers: dict[str, str] = field(default_factory=dict)
+    supervisor: Supervisor | None = field(default=None, repr=False)
     _actors: list = field(default_factory=list, repr=False)
     _started_ray: bool = False
 
     def stop(self) -> None:
-        """Stop the router, then the workers; shut Ray down if this cluster started it."""
+        """Stop the supervisor, the router, then the workers; shut Ray down if this cluster started it."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         for actor in reversed(self._actors):  # router first: it was started last
             try:
                 ray.get(actor.stop.remote(), timeout=10)
@@ -86,14 +92,16 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         use_gpu = cfg.use_gpus(ray.cluster_resources().get("GPU", 0))
         engine_cfg = cfg.worker_engine(use_gpu)
         opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cfg.cpus_per_worker}
-        actors = [WorkerActor.options(**opts).remote() for _ in roles]
+        # Ray restarts a dead worker process; the supervisor then starts its server again
+        actors = [WorkerActor.options(max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0, **opts).remote()
+                  for _ in roles]
         cluster._actors.extend(actors)
         # pin CPU workers to their own cores on a local machine (a remote cluster's nodes are its own)
         pin = started and not use_gpu and sys.platform.startswith("linux")
         cpu_sets = cfg.cpu_sets(os.cpu_count() or 1) if pin else None
         secret = cluster.secret = secrets.token_hex(32)  # internal calls carry it; strangers do not have it
-        addresses = ray.get([a.start.remote(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret)
-                             for i, (a, r) in enumerate(zip(actors, roles))], timeout=START_TIMEOUT_S)
+        start_args = [(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret) for i, r in enumerate(roles)]
+        addresses = ray.get([a.start.remote(*args) for a, args in zip(actors, start_args)], timeout=START_TIMEOUT_S)
         cluster.workers = dict(zip(addresses, roles))
         by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "both")}
         router = RouterActor.remote()
@@ -109,6 +117,13 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
     except Exception as exc:
         cluster.stop()
         raise RuntimeError(f"cluster failed to start: {_root_cause(exc)}") from exc
+    def moved(old: str, new: str, role: str) -> None:
+        cluster.workers.pop(old, None)
+        cluster.workers[new] = role
+
+    cluster.supervisor = Supervisor([Supervised(a, r, args, addr) for a, r, args, addr in
+                                     zip(actors, roles, start_args, addresses)], router, on_change=moved)
+    cluster.supervisor.start()
     log.info("cluster up in %.1fs: router %s, workers %s", time.monotonic() - t0, cluster.address, cluster.workers)
     return cluster
 

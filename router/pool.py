@@ -134,6 +134,19 @@ class WorkerPool:
 
         await asyncio.gather(*(one(w) for w in self.workers))
 
+    async def replace(self, old: str, new: str, role: str) -> None:
+        """The worker that served at ``old`` (dead) now serves at ``new``: route to it from now on."""
+        fresh = WorkerHandle.connect(role, new)
+        for i, w in enumerate(self.workers):
+            if w.address == old:
+                self.workers[i] = fresh
+                await w.channel.close()
+                break
+        else:
+            self.workers.append(fresh)
+        log.warning("worker %s %s replaced by %s", role, old, new)
+        await self.refresh()
+
     async def start(self) -> None:
         await self.refresh()
         self._poller = asyncio.create_task(self._poll())

@@ -54,7 +54,7 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         return PB.ModelInfo(
             model=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             eos_token_ids=sorted(core.tokenizer.eos_token_ids), placement=core.pool.placement,
-            workers=[PB.WorkerInfo(role=w.role, address=w.address) for w in core.pool.workers])
+            workers=[PB.WorkerInfo(role=w.role, address=w.address) for w in core.pool.workers if w.healthy])
 
 
 def _readiness(pool: WorkerPool, health_servicer):

@@ -89,3 +89,53 @@ def test_split_cluster_on_ray(split_cluster):
         pytest.fail(f"blocks still in use: {await _used_blocks(cluster)}")
 
     asyncio.run(run())
+
+
+def test_killed_workers_come_back_without_a_router_restart(split_cluster):
+    """SIGKILL the prefill actor's process, then the decode one's: Ray restarts each, the supervisor
+    starts its server again and the router routes to the new address; a stream in flight on the
+    killed decode worker ends with an in-band error within 5 s, never a hang."""
+    import os
+    import signal
+    import time
+
+    cluster = split_cluster
+
+    async def generate_once(client) -> bool:
+        try:
+            res = await client.generate(make_request("Once upon a time", max_tokens=4, temperature=0), timeout=10)
+        except grpc.aio.AioRpcError:
+            return False
+        return not res.error and len(res.token_ids) == 4
+
+    async def kill_and_recover(role: str) -> float:
+        old = next(a for a, r in cluster.workers.items() if r == role)
+        actor = next(s.actor for s in cluster.supervisor.workers if s.address == old)
+        pid = ray.get(actor.pid.remote())
+        async with Client(cluster.address) as client:
+            assert await generate_once(client)
+            streaming = None
+            if role == "decode":
+                streaming = asyncio.create_task(client.generate(
+                    make_request("story", max_tokens=1000, ignore_eos=True), timeout=60))
+                await asyncio.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            if streaming is not None:
+                res = await asyncio.wait_for(streaming, 5.0)
+                assert res.error and "UNAVAILABLE" in res.error, res.error
+            while not await generate_once(client):
+                assert time.monotonic() - t0 < 30, f"{role} worker not back after 30 s"
+                await asyncio.sleep(0.5)
+            recovered = time.monotonic() - t0
+            info = await client.model_info()
+            live = {w.address for w in info.workers}
+            assert old not in live and len(live) == 2
+        assert old not in cluster.workers and sorted(cluster.workers.values()) == ["decode", "prefill"]
+        return recovered
+
+    async def run():
+        for role in ("prefill", "decode"):
+            await kill_and_recover(role)
+
+    asyncio.run(run())
