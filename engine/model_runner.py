@@ -89,7 +89,7 @@ class ModelRunner:
         if last is not None:
             hidden = hidden[last]
         logits = self.model.compute_logits(hidden)
-        return sample(logits, [s.sampling for s in seqs], [s.num_output_tokens for s in seqs])
+        return sample(logits, [s.sampling for s in seqs], [s.sampling.step_offset + s.num_output_tokens for s in seqs])
 
     def _runs(self, seq: Sequence, n: int) -> list[tuple[int, int, int]]:
         """Positions 0..n-1 of ``seq`` as runs over consecutive block ids: (first position, end position,

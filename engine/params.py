@@ -13,7 +13,9 @@ class SamplingParams:
 
     ``temperature`` 0 means greedy. ``top_k`` 0 disables top-k; ``top_p`` 1 disables top-p.
     ``seed`` makes sampling reproducible: the draw for output token ``i`` depends only on
-    (seed, i), never on the batch or the worker (see ``step_seed``).
+    (seed, i), never on the batch or the worker (see ``step_seed``). ``step_offset``: output tokens
+    the request produced before it was migrated here (they are now part of its prompt); its ``i``
+    counts on from there, so a migrated request draws exactly what it would have.
     """
 
     temperature: float = 1.0
@@ -22,6 +24,7 @@ class SamplingParams:
     seed: int = 0
     max_tokens: int = 16
     ignore_eos: bool = False
+    step_offset: int = 0
 
     def __post_init__(self) -> None:
         errors = sampling_errors(self.temperature, self.top_p, self.top_k, self.max_tokens)
@@ -37,6 +40,7 @@ class SamplingParams:
         return {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "max_tokens": self.max_tokens, "ignore_eos": self.ignore_eos,
+            "step_offset": self.step_offset,
         }
 
     @classmethod
@@ -46,6 +50,7 @@ class SamplingParams:
             return cls(
                 temperature=float(d["temperature"]), top_p=float(d["top_p"]), top_k=int(d["top_k"]),
                 seed=int(d["seed"]), max_tokens=int(d["max_tokens"]), ignore_eos=bool(d["ignore_eos"]),
+                step_offset=int(d.get("step_offset", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"bad sampling state: {exc!r}") from exc

@@ -6,6 +6,8 @@ when the router is built.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -17,6 +19,9 @@ from pdserve.router.pool import WorkerPool
 from pdserve.router.validation import ValidatedRequest
 
 KV_TIMEOUT_S = 30.0
+MAX_MIGRATIONS = 2  # per request
+MIGRATION_WAIT_S = 4.0  # for a live worker to appear; an unsavable stream still ends within ~5 s
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,28 +67,75 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
 
 
 class SplitBackend:
-    """Prefill on one worker of the prefill pool, decode on one of the decode pool (README: life of a request)."""
+    """Prefill on one worker of the prefill pool, decode on one of the decode pool (README: life of a request).
 
-    def __init__(self, pool: WorkerPool) -> None:
+    **Migration** (as NVIDIA Dynamo does it): when the decode worker becomes unreachable
+    (UNAVAILABLE) mid-stream, the request is prefilled again on a live prefill worker with its
+    prompt plus every token already streamed, and continues on a live decode worker; the sampler's
+    step index continues too (``step_offset``), so the client's stream goes on with no duplicated
+    or missing token and greedy or seeded output equals an undisturbed run. A prefill worker that
+    dies before the first token is retried the same way. Each request migrates at most
+    ``MAX_MIGRATIONS`` times, waiting up to ``MIGRATION_WAIT_S`` for live workers; then the
+    original error ends the stream.
+    """
+
+    def __init__(self, pool: WorkerPool, on_migrate: Callable[[], None] | None = None) -> None:
         self.pool = pool
+        self.on_migrate = on_migrate or (lambda: None)
 
     async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
                      timeout: float | None) -> AsyncIterator[WorkerEvent]:
+        produced: list[int] = []
+        for attempt in range(MAX_MIGRATIONS + 1):
+            try:
+                async for ev in self._attempt(req, produced, attempt, state, t0_ns, timeout):
+                    produced += ev.token_ids
+                    yield ev
+                return
+            except grpc.aio.AioRpcError as exc:
+                if (exc.code() != grpc.StatusCode.UNAVAILABLE or state.aborted or attempt == MAX_MIGRATIONS
+                        or not await self._live_workers(MIGRATION_WAIT_S)):
+                    raise
+                log.warning("request %s: %s after %d tokens; migrating it (attempt %d)", req.request_id,
+                            exc.details(), len(produced), attempt + 1)
+                self.on_migrate()
+
+    async def _live_workers(self, wait_s: float) -> bool:
+        """Whether both pools have a healthy worker, waiting up to ``wait_s`` for one to come back."""
+        deadline = time.monotonic() + wait_s
+        while self.pool.roles_without_healthy_worker():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def _attempt(self, req: ValidatedRequest, produced: list[int], attempt: int, state: RequestState,
+                       t0_ns: int, timeout: float | None) -> AsyncIterator[WorkerEvent]:
+        """One prefill + decode pass over the prompt and the ``produced`` tokens so far."""
+        sampling = worker_pb2.ResolvedSampling()
+        sampling.CopyFrom(req.sampling)
+        sampling.max_tokens -= len(produced)
+        sampling.step_offset += len(produced)
+        if sampling.max_tokens == 0:  # every token arrived, only the final message was lost
+            yield WorkerEvent([], generate_pb2.FINISH_REASON_LENGTH, generate_pb2.Timings())
+            return
+        prompt = list(req.prompt_token_ids) + produced
+        request_id = req.request_id if attempt == 0 else f"{req.request_id}#migrated{attempt}"
         prefill_w, decode_w = self.pool.pick_prefill(), self.pool.pick_decode()
-        n = len(req.prompt_token_ids)
+        n = len(prompt)
         prefill_w.outstanding_prefill_tokens += n
         prefill_w.active_requests += 1
         decode_w.active_requests += 1
         decode_w.routed_blocks_since_poll += _blocks(n + 1, decode_w.block_size)
         decode_call = decode_w.decode.Decode(
-            worker_pb2.DecodeRequest(request_id=req.request_id, kv_timeout_s=KV_TIMEOUT_S), timeout=timeout)
+            worker_pb2.DecodeRequest(request_id=request_id, kv_timeout_s=KV_TIMEOUT_S), timeout=timeout)
         state.calls.append(decode_call)
         current = decode_w  # whose call a failure comes from
         try:
             await decode_call.initial_metadata()  # the decode worker now waits for this request's KV
             t_prefill = time.monotonic_ns()
             prefill_call = prefill_w.prefill.Prefill(worker_pb2.PrefillRequest(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 decode_address=decode_w.address), timeout=timeout)
             state.calls.append(prefill_call)
             try:

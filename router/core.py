@@ -51,9 +51,10 @@ class RouterCore:
         limits = [cfg.max_position_embeddings, max_model_len, pool.kv_capacity_tokens()]
         self.max_model_len = min(x for x in limits if x)
         self.pool = pool
-        self.backend = ColocatedBackend(pool) if pool.placement == "colocated" else SplitBackend(pool)
         self.inflight: dict[str, RequestState] = {}
         self.metrics = metrics or RouterMetrics(pool)
+        self.backend = (ColocatedBackend(pool) if pool.placement == "colocated"
+                        else SplitBackend(pool, self.metrics.migrations.inc))
         self.api_keys = api_keys  # empty: no authentication
 
     def owner_of(self, metadata) -> int | None:

@@ -89,6 +89,9 @@ class RouterMetrics:
                                 registry=r)
         self.requests = Counter("pdserve:requests", "Requests that ended, by finish reason.",
                                 ["finish_reason"], registry=r)
+        self.migrations = Counter("pdserve:request_migrations",
+                                  "Requests moved to live workers after theirs became unreachable (split).",
+                                  registry=r)
         self.rejections = Counter("pdserve:requests_rejected",
                                   "Requests refused before their first token (invalid: bad request; "
                                   "unavailable: no healthy worker).", ["reason"], registry=r)

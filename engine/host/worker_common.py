@@ -44,7 +44,7 @@ class ErrorEvent:
 def sampling_from_proto(s: worker_pb2.ResolvedSampling) -> SamplingParams:
     """ValueError (readable) for invalid values."""
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                          max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
+                          max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, step_offset=s.step_offset)
 
 
 def publish_outputs(streams: RequestStreams, outputs: list[StepOutput]) -> None:

@@ -44,7 +44,7 @@ class Pipeline:
 @asynccontextmanager
 async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
                          block_size: int = 16, dtype: str = "float32", http: bool = False,
-                         api_keys: tuple[str, ...] = (), **engine_kw):
+                         api_keys: tuple[str, ...] = (), num_decode: int = 1, **engine_kw):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``)."""
     import pdserve.decode_worker.colocated as colocated
@@ -56,8 +56,8 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
     cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype,
                        **engine_kw)
     if placement == "split":
-        workers = list(await asyncio.gather(prefill.serve(cfg), decode.serve(cfg)))
-        r = await router.serve(model, prefill=[workers[0].address], decode=[workers[1].address],
+        workers = list(await asyncio.gather(prefill.serve(cfg), *[decode.serve(cfg) for _ in range(num_decode)]))
+        r = await router.serve(model, prefill=[workers[0].address], decode=[w.address for w in workers[1:]],
                                http_port=0 if http else None, model_name="test-model",
                                api_keys=api_keys)
     else:

@@ -251,7 +251,12 @@ async def test_a_failed_call_takes_the_worker_out_of_routing_at_once(embedded_di
         dead = pipe.workers[0]  # the prefill worker, or the only colocated one
         handle = next(w for w in pipe.router.core.pool.workers if w.address == dead.address)
         await dead.stop()
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await client.generate(make_request("hi", max_tokens=2))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        request = asyncio.create_task(client.generate(make_request("hi", max_tokens=2)))
+        for _ in range(50):  # split placement then waits (up to 4 s) for a live worker to migrate to
+            if request.done() or not handle.healthy:
+                break
+            await asyncio.sleep(0.005)
         assert not handle.healthy and handle.failed_polls < 3
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await request
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE

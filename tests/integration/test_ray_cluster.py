@@ -93,8 +93,9 @@ def test_split_cluster_on_ray(split_cluster):
 
 def test_killed_workers_come_back_without_a_router_restart(split_cluster):
     """SIGKILL the prefill actor's process, then the decode one's: Ray restarts each, the supervisor
-    starts its server again and the router routes to the new address; a stream in flight on the
-    killed decode worker ends with an in-band error within 5 s, never a hang."""
+    starts its server again and the router routes to the new address. A stream in flight on the
+    killed decode worker migrates to the restarted one (same tokens as undisturbed) or, when no
+    live worker appears within the migration wait, ends with an in-band error: never a hang."""
     import os
     import signal
     import time
@@ -116,14 +117,19 @@ def test_killed_workers_come_back_without_a_router_restart(split_cluster):
             assert await generate_once(client)
             streaming = None
             if role == "decode":
-                streaming = asyncio.create_task(client.generate(
-                    make_request("story", max_tokens=1000, ignore_eos=True), timeout=60))
+                long = make_request("story", max_tokens=1000, ignore_eos=True, temperature=0)
+                undisturbed = await client.generate(long, timeout=60)
+                streaming = asyncio.create_task(client.generate(long, timeout=60))
                 await asyncio.sleep(0.5)
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
             if streaming is not None:
-                res = await asyncio.wait_for(streaming, 5.0)
-                assert res.error and "UNAVAILABLE" in res.error, res.error
+                # migrated once the restarted worker serves, or an in-band error when that took too long
+                res = await asyncio.wait_for(streaming, 30.0)
+                if res.error:
+                    assert "UNAVAILABLE" in res.error and time.monotonic() - t0 < 6.0, res.error
+                else:
+                    assert res.token_ids == undisturbed.token_ids
             while not await generate_once(client):
                 assert time.monotonic() - t0 < 30, f"{role} worker not back after 30 s"
                 await asyncio.sleep(0.5)

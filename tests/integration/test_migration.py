@@ -1,0 +1,55 @@
+"""A decode worker that dies mid-stream: the request moves to a live one and the client's stream
+goes on with no duplicated or missing token (split placement, 1 prefill + 2 decode workers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.router.client import Client, make_request
+from pdserve.v1 import generate_pb2 as PB
+from tests.integration._pipeline import local_pipeline
+
+
+async def _stream_and_kill(pipe, client, request, kill_after: int):
+    """Stream ``request``; after ``kill_after`` tokens, stop the decode worker that serves it."""
+    tokens, text, error, killed = [], [], None, None
+    async for msg in client.stream(request, timeout=60):
+        kind = msg.WhichOneof("kind")
+        if kind == "chunk":
+            tokens += msg.chunk.token_ids
+            text.append(msg.chunk.text)
+            if killed is None and len(tokens) >= kill_after:
+                busy = [h for h in pipe.router.core.pool.workers if h.role == "decode" and h.active_requests]
+                killed = next(w for w in pipe.workers if w.address == busy[0].address)
+                await killed.server.stop(0)
+        elif kind == "complete":
+            text.append(msg.complete.text)
+            finish = msg.complete.finish_reason
+        else:
+            error = msg.error
+    return tokens, "".join(text), error, killed, finish if error is None else None
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=1234, top_k=50)])
+async def test_a_stream_survives_its_decode_worker(embedded_dir, sampling):
+    request = dict(prompt="Once upon a time there was", max_tokens=48, ignore_eos=True, **sampling)
+    async with local_pipeline(embedded_dir, "split", num_decode=2) as pipe, Client(pipe.address) as client:
+        ref = await client.generate(make_request(**request))
+        assert len(ref.token_ids) == 48
+        tokens, text, error, killed, finish = await _stream_and_kill(pipe, client, make_request(**request), 10)
+        assert error is None and killed is not None
+        assert tokens == ref.token_ids and text == ref.text  # nothing lost, nothing twice
+        assert finish == PB.FINISH_REASON_LENGTH
+        assert pipe.router.core.metrics.migrations._value.get() == 1
+
+
+async def test_without_a_live_decode_worker_the_stream_ends_with_an_error_soon(embedded_dir):
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        tokens, _, error, killed, _ = await _stream_and_kill(
+            pipe, client, make_request("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0), 5)
+        assert error is not None and error.code == "UNAVAILABLE" and killed is not None
+        assert loop.time() - t < 8.0  # the migration waits up to 4 s for a live worker, then gives up
