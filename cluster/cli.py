@@ -169,10 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench.cli import add_bench_parser
     from pdserve.cluster.compare import add_compare_parser
     from pdserve.cluster.demo import add_demo_parser
+    from pdserve.cluster.soak import add_soak_parser
 
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_compare_parser(sub)
+    add_soak_parser(sub)
     return parser
 
 

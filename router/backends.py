@@ -21,6 +21,7 @@ from pdserve.router.validation import ValidatedRequest
 KV_TIMEOUT_S = 30.0
 MAX_MIGRATIONS = 2  # per request
 MIGRATION_WAIT_S = 4.0  # for a live worker to appear; an unsavable stream still ends within ~5 s
+ROUTE_WAIT_S = 10.0  # a new request waits this long (at most its deadline) for a pool that has no live worker
 log = logging.getLogger(__name__)
 
 
@@ -66,6 +67,17 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
                                "worker stream ended without a final message")
 
 
+async def wait_for_workers(pool: WorkerPool, wait_s: float) -> bool:
+    """Whether every pool has a healthy worker, waiting up to ``wait_s`` for one to come back (a
+    restarted worker takes a few seconds; until then requests wait here instead of failing)."""
+    deadline = time.monotonic() + wait_s
+    while pool.roles_without_healthy_worker():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 class SplitBackend:
     """Prefill on one worker of the prefill pool, decode on one of the decode pool (README: life of a request).
 
@@ -94,20 +106,11 @@ class SplitBackend:
                 return
             except grpc.aio.AioRpcError as exc:
                 if (exc.code() != grpc.StatusCode.UNAVAILABLE or state.aborted or attempt == MAX_MIGRATIONS
-                        or not await self._live_workers(MIGRATION_WAIT_S)):
+                        or not await wait_for_workers(self.pool, MIGRATION_WAIT_S)):
                     raise
                 log.warning("request %s: %s after %d tokens; migrating it (attempt %d)", req.request_id,
                             exc.details(), len(produced), attempt + 1)
                 self.on_migrate()
-
-    async def _live_workers(self, wait_s: float) -> bool:
-        """Whether both pools have a healthy worker, waiting up to ``wait_s`` for one to come back."""
-        deadline = time.monotonic() + wait_s
-        while self.pool.roles_without_healthy_worker():
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
 
     async def _attempt(self, req: ValidatedRequest, produced: list[int], attempt: int, state: RequestState,
                        t0_ns: int, timeout: float | None) -> AsyncIterator[WorkerEvent]:
@@ -121,6 +124,7 @@ class SplitBackend:
             return
         prompt = list(req.prompt_token_ids) + produced
         request_id = req.request_id if attempt == 0 else f"{req.request_id}#migrated{attempt}"
+        await wait_for_workers(self.pool, ROUTE_WAIT_S if timeout is None else min(ROUTE_WAIT_S, timeout))
         prefill_w, decode_w = self.pool.pick_prefill(), self.pool.pick_decode()
         n = len(prompt)
         prefill_w.outstanding_prefill_tokens += n
@@ -174,6 +178,7 @@ class ColocatedBackend:
 
     async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
                      timeout: float | None) -> AsyncIterator[WorkerEvent]:
+        await wait_for_workers(self.pool, ROUTE_WAIT_S if timeout is None else min(ROUTE_WAIT_S, timeout))
         w = self.pool.pick_colocated()
         n = len(req.prompt_token_ids)
         w.outstanding_prefill_tokens += n
