@@ -19,7 +19,7 @@ from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.models.loader import resolve_model_dir
+from pdserve.engine.models.loader import resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.scheduler import Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
@@ -71,7 +71,8 @@ class Engine:
         mc = self.model_cfg
         self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                             self.runner.dtype_name, cfg.block_size,
-                                            self.tokenizer.content_hash)
+                                            self.tokenizer.content_hash, weights_hash(self.model_dir))
+        self._digest = self.fingerprint.digest()
 
     # -- requests -------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -183,6 +184,6 @@ class Engine:
         return {
             "num_waiting": len(waiting), "num_running": len(s.running),
             "used_kv_blocks": self.blocks.num_used, "free_kv_blocks": self.blocks.num_free,
-            "block_size": self.cfg.block_size,
+            "block_size": self.cfg.block_size, "model_fingerprint": self._digest,
             "outstanding_prefill_tokens": sum(q.num_tokens for q in waiting),
         }

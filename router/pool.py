@@ -45,6 +45,7 @@ class WorkerHandle:
     num_running: int = 0
     num_waiting: int = 0
     used_kv_blocks: int = 0
+    fingerprint: str = ""  # of the model it serves (WorkerStats.model_fingerprint)
 
     @classmethod
     def connect(cls, role: str, address: str) -> "WorkerHandle":
@@ -131,6 +132,7 @@ class WorkerPool:
             w.free_kv_blocks, w.block_size, w.routed_blocks_since_poll = s.free_kv_blocks, s.block_size, 0
             w.total_kv_blocks = s.free_kv_blocks + s.used_kv_blocks
             w.num_running, w.num_waiting, w.used_kv_blocks = s.num_running, s.num_waiting + s.num_awaiting_kv, s.used_kv_blocks
+            w.fingerprint = s.model_fingerprint
 
         await asyncio.gather(*(one(w) for w in self.workers))
 
@@ -148,7 +150,14 @@ class WorkerPool:
         await self.refresh()
 
     async def start(self) -> None:
+        """First stats poll, then polling. RuntimeError when the workers serve different models
+        (same shapes, other weights or tokenizer: their KV would decode into wrong tokens)."""
         await self.refresh()
+        models = {w.fingerprint for w in self.workers if w.fingerprint}
+        if len(models) > 1:
+            by = ", ".join(f"{w.role}@{w.address}: {w.fingerprint[:12]}" for w in self.workers)
+            raise RuntimeError(f"the workers serve different models (model fingerprints {by}); give every worker "
+                               f"the same model folder")
         self._poller = asyncio.create_task(self._poll())
 
     def kv_capacity_tokens(self) -> int | None:

@@ -138,7 +138,11 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     if not both and not (prefill and decode):
         raise ValueError("split placement needs at least one prefill and one decode worker")
     pool = WorkerPool(list(prefill), list(decode), list(both))
-    await pool.start()
+    try:
+        await pool.start()
+    except BaseException:
+        await pool.close()
+        raise
     core = RouterCore(model_dir, pool, max_model_len, api_keys=tuple(api_keys))
     health_servicer = health.aio.HealthServicer()
     server, bound = await start_server(

@@ -37,9 +37,10 @@ def test_generate_without_server_fails_clearly():
 
 
 def test_serve_generate_and_ctrl_c():
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     model = ["--model", str(STORIES)] if (STORIES / "model.safetensors").is_file() else []
-    serve = subprocess.Popen(PDSERVE + ["serve", "--placement", "colocated", "--port", str(port), *model],
+    serve = subprocess.Popen(PDSERVE + ["serve", "--placement", "colocated", "--port", str(port),
+                                        "--http-port", str(http_port), *model],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -51,6 +52,11 @@ def test_serve_generate_and_ctrl_c():
             if "serving on" in line or serve.poll() is not None:
                 break
         assert "serving on" in lines[-1], "".join(lines)
+        assert f"http://127.0.0.1:{http_port}/v1" in lines[-1]
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as resp:
+            assert resp.status == 200
         gen = subprocess.run(PDSERVE + ["generate", "Once upon a time", "--port", str(port), "--max-tokens", "40"],
                              capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr

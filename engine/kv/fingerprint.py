@@ -23,7 +23,9 @@ class ModelFingerprint:
     """Identity of the model/KV layout; prefill and decode must agree exactly.
 
     ``dtype`` is the KV cache dtype name (``"float32"``, ``"float16"`` or
-    ``"bfloat16"``); ``tokenizer_hash`` is the sha256 hex digest of tokenizer.json.
+    ``"bfloat16"``); ``tokenizer_hash`` is the sha256 hex digest of tokenizer.json;
+    ``weights_hash`` that of the weight files (``loader.weights_hash``), so that another model of
+    the same shapes and tokenizer is told apart.
     """
 
     architecture: str
@@ -33,6 +35,7 @@ class ModelFingerprint:
     dtype: str
     block_size: int
     tokenizer_hash: str
+    weights_hash: str = "-"
 
     def to_dict(self) -> dict:
         """Plain dict of all fields, suitable for msgpack."""
@@ -61,6 +64,13 @@ class ModelFingerprint:
         if unknown := sorted(str(k) for k in d if k not in kwargs):
             raise KvCodecError(f"fingerprint has unknown keys: {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def digest(self) -> str:
+        """sha256 hex of every field: what workers report, so a router can compare them at start."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
     def mismatches(self, other: "ModelFingerprint") -> list[str]:
         """Differences as ``"<field> <self value> != <other value>"``; [] when equal."""

@@ -44,6 +44,34 @@ def resolve_model_dir(model: str | None) -> Path:
         raise FileNotFoundError(f"could not download model {model!r} from the Hugging Face hub: {exc}") from exc
 
 
+def weights_hash(folder: Path, cache_dir: str | Path | None = None) -> str:
+    """sha256 hex over the folder's weight files (names and bytes, in name order), computed once
+    per file set: cached under ``$PDSERVE_CACHE_DIR/weights-hash`` by path, size and mtime (model
+    folders may be read-only)."""
+    import hashlib
+
+    from pdserve.engine.models.embedded import default_cache_dir
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    key = hashlib.sha256(repr([(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode())
+    cached = Path(cache_dir or default_cache_dir()) / "weights-hash" / key.hexdigest()[:32]
+    if cached.is_file():
+        return cached.read_text().strip()
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    digest = h.hexdigest()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(digest)
+    except OSError:
+        pass  # a read-only cache only costs the next start the hashing
+    return digest
+
+
 def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     """Read every safetensors shard in ``folder`` into ``{hf_name: tensor}`` on ``device``.
 

@@ -260,3 +260,43 @@ async def test_a_failed_call_takes_the_worker_out_of_routing_at_once(embedded_di
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await request
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _other_weights(src, dst):
+    """A copy of the model folder whose weights differ but whose shapes and tokenizer do not."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+async def test_same_shapes_other_weights_are_refused_at_start_and_per_payload(embedded_dir, tmp_path):
+    import pdserve.decode_worker.worker as decode
+    import pdserve.prefill_worker.worker as prefill
+    import pdserve.router.server as router
+    from pdserve.engine.config import EngineConfig
+
+    other = _other_weights(embedded_dir, tmp_path / "other")
+    p = await prefill.serve(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=64))
+    d = await decode.serve(EngineConfig(model=str(other), dtype="float32", num_kv_blocks=64))
+    try:
+        assert p.worker.engine.fingerprint.mismatches(d.worker.engine.fingerprint)[0].startswith("weights_hash")
+        with pytest.raises(RuntimeError, match="different models"):
+            await router.serve(embedded_dir, prefill=[p.address], decode=[d.address])
+        async with grpc.aio.insecure_channel(d.address) as ch:  # a payload from the other model
+            stub = worker_pb2_grpc.DecodeServiceStub(ch)
+            stream = stub.Decode(worker_pb2.DecodeRequest(request_id="w1", kv_timeout_s=10))
+            await stream.initial_metadata()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.PushKv(iter([worker_pb2.KvChunk(request_id="w1",
+                                                           data=_payload(p.worker.engine.fingerprint, "w1"))]))
+            assert "weights_hash" in info.value.details()
+            stream.cancel()
+    finally:
+        await p.stop()
+        await d.stop()

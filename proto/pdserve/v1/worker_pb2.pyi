@@ -98,7 +98,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv")
+    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class WorkerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_AWAITING_KV_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_waiting: int
     num_running: int
@@ -115,7 +116,8 @@ class WorkerStats(_message.Message):
     block_size: int
     outstanding_prefill_tokens: int
     num_awaiting_kv: int
-    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
