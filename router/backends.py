@@ -43,9 +43,15 @@ class RequestState:
     calls: list = field(default_factory=list)
     aborted: bool = False
     owner: int | None = None
+    shutting_down: bool = False  # the router is stopping: end with an error, not as an abort
 
     def abort(self) -> None:
         self.aborted = True
+        for call in self.calls:
+            call.cancel()
+
+    def shut_down(self) -> None:
+        self.shutting_down = True
         for call in self.calls:
             call.cancel()
 

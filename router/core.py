@@ -23,6 +23,7 @@ from pdserve.router.validation import InvalidRequest, sampling_defaults, validat
 
 log = logging.getLogger(__name__)
 PB = generate_pb2
+SHUTDOWN_MESSAGE = "server shutting down"
 
 
 class RequestRejected(Exception):
@@ -56,6 +57,7 @@ class RouterCore:
         self.backend = (ColocatedBackend(pool) if pool.placement == "colocated"
                         else SplitBackend(pool, self.metrics.migrations.inc))
         self.api_keys = api_keys  # empty: no authentication
+        self.shutting_down = False
 
     def owner_of(self, metadata) -> int | None:
         """The index of the API key in ``metadata`` (gRPC metadata or HTTP headers as pairs)."""
@@ -79,6 +81,8 @@ class RouterCore:
         except InvalidRequest as exc:
             self.metrics.rejected("invalid")
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if self.shutting_down:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if req.request_id in self.inflight:
             self.metrics.rejected("invalid")
             raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"request id {req.request_id!r} is already in flight")
@@ -108,6 +112,10 @@ class RouterCore:
             self.metrics.rejected("unavailable")
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if state.shutting_down:
+                self.metrics.finished(PB.FINISH_REASON_ERROR, t0, None)
+                yield PB.GenerateResponse(error=PB.Error(code="UNAVAILABLE", message=SHUTDOWN_MESSAGE, usage=usage))
+                return
             if not state.aborted:
                 if isinstance(exc, asyncio.CancelledError):
                     self.metrics.finished(PB.FINISH_REASON_ABORT, t0, None)
@@ -131,6 +139,13 @@ class RouterCore:
         self.metrics.finished(finish, t0, timings)
         yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,
                                                        timings=timings, request_id=req.request_id))
+
+    def shut_down(self) -> None:
+        """Refuse new requests (UNAVAILABLE) and end every stream in flight with an in-band
+        UNAVAILABLE "server shutting down" error (their worker calls are cancelled)."""
+        self.shutting_down = True
+        for state in list(self.inflight.values()):
+            state.shut_down()
 
     def abort(self, request_id: str, owner: int | None = None) -> bool:
         """Cancel a request in flight that ``owner`` (an API key index) sent; False when no such

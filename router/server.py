@@ -90,6 +90,10 @@ class RunningRouter:
     http_address: str | None = None
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        """Graceful: new requests are refused and streams in flight end with an in-band UNAVAILABLE
+        "server shutting down" error; then both servers stop (``grace_s`` for the last messages)."""
+        self.core.shut_down()
+        await asyncio.sleep(0.05)  # let the streams send their error messages
         if self.http is not None:
             self.http.should_exit = True
             await asyncio.wait([self.http_task], timeout=grace_s + 2.0)

@@ -300,3 +300,14 @@ async def test_same_shapes_other_weights_are_refused_at_start_and_per_payload(em
     finally:
         await p.stop()
         await d.stop()
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+async def test_shutdown_ends_streams_with_an_error_message(embedded_dir, placement):
+    async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
+        stream = asyncio.create_task(client.generate(make_request("hi", max_tokens=2000, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        await pipe.router.stop()
+        res = await asyncio.wait_for(stream, 10)
+        assert res.error and "UNAVAILABLE" in res.error and "shutting down" in res.error
+        assert 0 < len(res.token_ids) < 2000
