@@ -26,7 +26,8 @@ def _cluster_config(args):
                          cpus_per_worker=args.cpus_per_worker, router_host=args.host,
                          router_port=args.port, ray_address=args.address, device=args.device,
                          http_port=getattr(args, "http_port", 0) or None,
-                         api_keys=parse_api_keys(getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)))
+                         api_keys=parse_api_keys(getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)),
+                         max_requests_per_worker=getattr(args, "max_requests_per_worker", 0))
 
 
 def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="clients must send 'authorization: Bearer KEY' (gRPC metadata or HTTP header); "
                         "comma-separate several; default $PDSERVE_API_KEY, else no key")
+    p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512,
+                   help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429, retry hint 1 s) when every decode "
+                        "worker holds this many; 0 = no bound")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="stream one completion from a running router")

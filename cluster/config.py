@@ -23,7 +23,8 @@ class ClusterConfig:
     ``http_port``: the router's OpenAI-compatible HTTP port (0: any free port; None: no HTTP), on
     ``router_host``. ``model_name``: the model id HTTP clients send (default: the model folder's name).
     ``api_keys``: the keys clients must present (``authorization: Bearer``); empty: none. Internal
-    calls always carry a secret the cluster makes at start.
+    calls always carry a secret the cluster makes at start. ``max_requests_per_worker``: the
+    router refuses new requests (RESOURCE_EXHAUSTED) when every decode worker holds that many; 0: no bound.
     """
 
     engine: EngineConfig
@@ -36,6 +37,7 @@ class ClusterConfig:
     http_port: int | None = None
     model_name: str | None = None
     api_keys: tuple[str, ...] = ()
+    max_requests_per_worker: int = 0
     ray_address: str | None = None
     device: str | None = None
 

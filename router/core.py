@@ -18,7 +18,7 @@ from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2
 from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import NoWorkerAvailable, WorkerPool
+from pdserve.router.pool import NoWorkerAvailable, Overloaded, WorkerPool
 from pdserve.router.validation import InvalidRequest, sampling_defaults, validate
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,9 @@ class RouterCore:
         except NoWorkerAvailable as exc:
             self.metrics.rejected("unavailable")
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except Overloaded as exc:
+            self.metrics.rejected("overloaded")
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if state.shutting_down:
                 self.metrics.finished(PB.FINISH_REASON_ERROR, t0, None)

@@ -3,7 +3,7 @@ becomes ``pdserve:time_to_first_token_seconds``).
 
 Request metrics are observed by the router as each request's tokens arrive and when it ends;
 per-worker gauges are read from the pool's latest GetStats poll at scrape time (every 0.1 s). Labels
-are bounded sets: ``finish_reason`` (stop, length, abort, error), ``reason`` (invalid, unavailable),
+are bounded sets: ``finish_reason`` (stop, length, abort, error), ``reason`` (invalid, unavailable, overloaded),
 ``role`` (prefill, decode, both) and ``worker`` (the worker's address). No request ids.
 Each registry belongs to one router, so several routers can live in one process.
 """
@@ -94,10 +94,11 @@ class RouterMetrics:
                                   registry=r)
         self.rejections = Counter("pdserve:requests_rejected",
                                   "Requests refused before their first token (invalid: bad request; "
-                                  "unavailable: no healthy worker).", ["reason"], registry=r)
+                                  "unavailable: no healthy worker; overloaded: every worker at its bound).",
+                                  ["reason"], registry=r)
         for label in FINISH_LABELS.values():  # every series exists from the start, at 0
             self.requests.labels(label)
-        for reason in ("invalid", "unavailable"):
+        for reason in ("invalid", "unavailable", "overloaded"):
             self.rejections.labels(reason)
         r.register(_WorkerGauges(pool))
 

@@ -99,7 +99,10 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
             first = await anext(stream)
         except RequestRejected as exc:
             await stream.aclose()
-            return _error(exc.message, HTTP_STATUS.get(exc.code, 500))
+            response = _error(exc.message, HTTP_STATUS.get(exc.code, 500))
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                response.headers["retry-after"] = "1"
+            return response
         shape = ResponseShape(kind, gen_req.request_id, model_name)
         if req.streaming:
             return StreamingResponse(_stream(stream, first, shape, req.include_usage), media_type="text/event-stream")

@@ -22,6 +22,13 @@ class NoWorkerAvailable(RuntimeError):
     """No healthy worker of the needed role (maps to UNAVAILABLE)."""
 
 
+class Overloaded(RuntimeError):
+    """Every healthy worker of the needed role holds ``max_requests_per_worker`` requests (maps to
+    RESOURCE_EXHAUSTED, with a retry hint)."""
+
+    retry_after_s = 1.0
+
+
 @dataclass
 class WorkerHandle:
     """One worker: address, stubs and what the router knows of its load.
@@ -74,14 +81,18 @@ class WorkerPool:
     - prefill: least outstanding prefill tokens (ties: fewer active requests);
     - decode: most free KV blocks (ties: fewer active requests);
     - colocated ("both"): least outstanding prefill tokens, then fewest active requests.
+
+    ``max_requests_per_worker`` (0: none) bounds the requests a decode or colocated worker holds;
+    past it on every worker, a new request is refused (Overloaded) instead of queuing without end.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], both: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str], max_requests_per_worker: int = 0) -> None:
         self.workers = ([WorkerHandle.connect("prefill", a) for a in prefill]
                         + [WorkerHandle.connect("decode", a) for a in decode]
                         + [WorkerHandle.connect("both", a) for a in both])
         self._poller: asyncio.Task | None = None
         self.on_refresh: list = []  # async callables run after each stats poll
+        self.max_requests_per_worker = max_requests_per_worker  # 0: no bound
 
     @property
     def placement(self) -> str:
@@ -108,12 +119,22 @@ class WorkerPool:
     def pick_prefill(self) -> WorkerHandle:
         return min(self._candidates("prefill"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
 
+    def _with_room(self, role: str) -> list[WorkerHandle]:
+        """Healthy workers of ``role`` below the request bound; Overloaded when there is none."""
+        ws = self._candidates(role)
+        bound = self.max_requests_per_worker
+        room = [w for w in ws if not bound or w.active_requests < bound]
+        if not room:
+            raise Overloaded(f"every {role} worker holds {bound} requests (--max-requests-per-worker); "
+                             f"retry in {Overloaded.retry_after_s:g}s")
+        return room
+
     def pick_decode(self) -> WorkerHandle:
-        return max(self._candidates("decode"),
+        return max(self._with_room("decode"),
                    key=lambda w: (w.free_kv_blocks - w.routed_blocks_since_poll, -w.active_requests))
 
     def pick_colocated(self) -> WorkerHandle:
-        return min(self._candidates("both"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
+        return min(self._with_room("both"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
 
     async def refresh(self) -> None:
         """Poll every worker's GetStats once; a failing worker is marked unhealthy until it answers."""

@@ -41,6 +41,8 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             async for message in stream:
                 yield message
         except RequestRejected as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's retry hint (A6 retry pushback)
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
             await context.abort(exc.code, exc.message)
         finally:
             await stream.aclose()
@@ -128,20 +130,22 @@ async def start_http(core: RouterCore, model_name: str, host: str, port: int):
 async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = (), both: list[str] = (),
                 host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None,
                 http_port: int | None = None, model_name: str | None = None,
-                api_keys: tuple[str, ...] = ()) -> RunningRouter:
+                api_keys: tuple[str, ...] = (), max_requests_per_worker: int = 0) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``both``) pool.
 
     ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
     ``model_name``: the model id HTTP clients send (default: the model folder's name).
     ``api_keys``: when given, both APIs want ``authorization: Bearer <one of them>`` (else
     UNAUTHENTICATED / HTTP 401); health, reflection and /metrics stay open.
+    ``max_requests_per_worker``: past it on every decode (colocated) worker, RESOURCE_EXHAUSTED
+    (HTTP 429 with Retry-After); 0: no bound.
     ValueError when the pool is neither split nor colocated; OSError when a port cannot be bound.
     """
     if both and (prefill or decode):
         raise ValueError("give either prefill + decode workers (split) or colocated workers, not both")
     if not both and not (prefill and decode):
         raise ValueError("split placement needs at least one prefill and one decode worker")
-    pool = WorkerPool(list(prefill), list(decode), list(both))
+    pool = WorkerPool(list(prefill), list(decode), list(both), max_requests_per_worker)
     try:
         await pool.start()
     except BaseException:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from pdserve.router.client import Client, make_request
 from tests.integration._pipeline import local_pipeline
 
@@ -29,4 +31,32 @@ async def test_a_short_request_behind_a_full_decode_batch_is_not_stalled(embedde
         assert crowded_s < 10 * solo_s + 2.0, (crowded_s, solo_s)
         results = await asyncio.gather(*longs)
         assert all(len(r.token_ids) == 600 for r in results)
+        assert await pipe.wait_idle() == 0
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+async def test_a_full_cluster_refuses_with_resource_exhausted_and_a_retry_hint(embedded_dir, placement):
+    """With every decode (colocated) worker at --max-requests-per-worker, a new request is refused at
+    once: RESOURCE_EXHAUSTED over gRPC (with a pushback hint), 429 with Retry-After over HTTP; once
+    a stream ends, requests are admitted again."""
+    import grpc
+    import httpx
+
+    async with local_pipeline(embedded_dir, placement, http=True, max_requests_per_worker=2) as pipe, \
+            Client(pipe.address) as client:
+        longs = [asyncio.create_task(client.generate(make_request(f"s{i}", max_tokens=400, ignore_eos=True,
+                                                                   request_id=f"long{i}"))) for i in range(2)]
+        await asyncio.sleep(0.3)
+        call = client.stub.Generate(make_request("hi", max_tokens=2))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in info.value.details()
+        assert ("grpc-retry-pushback-ms", "1000") in tuple(info.value.trailing_metadata())
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert await client.abort("long0")
+        await asyncio.gather(*longs)
+        assert len((await client.generate(make_request("hi", max_tokens=2))).token_ids) == 2
         assert await pipe.wait_idle() == 0
