@@ -26,7 +26,8 @@ def _cluster_config(args):
                          cpus_per_worker=args.cpus_per_worker, router_host=args.host,
                          router_port=args.port, ray_address=args.address, device=args.device,
                          http_port=getattr(args, "http_port", 0) or None,
-                         api_keys=parse_api_keys(getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV)),
+                         api_keys=parse_api_keys(getattr(args, "api_key", None) if getattr(args, "api_key", None)
+                                                 is not None else os.environ.get(API_KEY_ENV)),
                          max_requests_per_worker=getattr(args, "max_requests_per_worker", 0))
 
 
@@ -64,6 +65,8 @@ def cmd_serve(args) -> int:
             check_port_free(args.host, args.http_port, "--http-port")
     cluster = start_cluster(cfg)
     http = (f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else "")
+    keys = len(cfg.api_keys)
+    http += f"; API keys: {keys} required" if keys else "; API keys: off (anyone who can reach the ports may call)"
     print(f"pdserve {args.placement} cluster serving on {cluster.address} (gRPC){http} "
           f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it", flush=True)
     stop = False

@@ -123,7 +123,8 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         cluster.workers[new] = role
 
     cluster.supervisor = Supervisor([Supervised(a, r, args, addr) for a, r, args, addr in
-                                     zip(actors, roles, start_args, addresses)], router, on_change=moved)
+                                     zip(actors, roles, start_args, addresses)], router, on_change=moved,
+                                    max_restarts=WORKER_MAX_RESTARTS)
     cluster.supervisor.start()
     log.info("cluster up in %.1fs: router %s, workers %s", time.monotonic() - t0, cluster.address, cluster.workers)
     return cluster

@@ -217,12 +217,36 @@ def summary_lines(s: dict) -> list[str]:
 
 
 def cmd_soak(args) -> int:
-    s = run_soak(args.model or "embedded", args.num_requests, args.rate, [k for k in args.kills.split(",") if k],
-                 args.cancel_frac, args.deadline_frac, args.length_scale, args.seed)
+    if args.cancel_frac + args.deadline_frac > 1.0:
+        raise ValueError("--cancel-frac + --deadline-frac must be <= 1")
+    s = run_soak(args.model or "embedded", args.num_requests, args.rate, list(args.kills), args.cancel_frac,
+                 args.deadline_frac, args.length_scale, args.seed)
     for line in summary_lines(s):
         print(line)
-    ok = s["hung"] == 0 and not any(s["used_blocks"].values()) and s["mismatches"] == 0
+    plain = s["by_action"]["normal"]
+    ok = (s["hung"] == 0 and not any(s["used_blocks"].values()) and s["mismatches"] == 0
+          and set(plain) <= {"completed"})
+    if set(plain) - {"completed"}:
+        print(f"plain requests that did not complete: { {k: v for k, v in plain.items() if k != 'completed'} }")
     return 0 if ok else 1
+
+
+def _kills(text: str) -> tuple[str, ...]:
+    import argparse
+
+    roles = tuple(k.strip() for k in text.split(",") if k.strip())
+    if bad := [k for k in roles if k not in ("decode", "prefill")]:
+        raise argparse.ArgumentTypeError(f"unknown worker role(s) {', '.join(bad)}: use decode and/or prefill")
+    return roles
+
+
+def _fraction(text: str) -> float:
+    import argparse
+
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def add_soak_parser(sub) -> None:
@@ -232,9 +256,11 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--num-requests", type=positive_int, default=1000)
     p.add_argument("--rate", type=positive_float, default=8.0, help="mean request rate, req/s")
-    p.add_argument("--kills", default="decode,prefill", help="workers to kill in turn mid-run (comma-separated)")
-    p.add_argument("--cancel-frac", type=float, default=0.10)
-    p.add_argument("--deadline-frac", type=float, default=0.05)
+    p.add_argument("--kills", type=_kills, default=("decode", "prefill"),
+                   help="workers to kill in turn mid-run: decode and/or prefill, comma-separated ('' = none)")
+    p.add_argument("--cancel-frac", type=_fraction, default=0.10, help="share of requests their client cancels")
+    p.add_argument("--deadline-frac", type=_fraction, default=0.05,
+                   help="share of requests with a deadline too tight to make")
     p.add_argument("--length-scale", type=positive_float, default=0.1)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.set_defaults(func=cmd_soak)

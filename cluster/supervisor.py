@@ -32,13 +32,15 @@ class Supervised:
     start_args: tuple
     address: str
     down_since: float | None = None
+    gone: bool = False  # Ray will not restart it again
 
 
 class Supervisor:
     """See the module docstring. ``on_change(old, new, role)`` runs after each replacement."""
 
     def __init__(self, workers: list[Supervised], router, interval_s: float = 0.5, start_timeout_s: float = 600.0,
-                 on_change=None) -> None:
+                 on_change=None, max_restarts: int | None = None) -> None:
+        self.max_restarts = max_restarts
         self.workers, self.router, self.interval_s = workers, router, interval_s
         self.start_timeout_s, self.on_change = start_timeout_s, on_change
         self.recoveries: list[tuple[str, str, float]] = []  # (old, new, seconds down)
@@ -65,6 +67,12 @@ class Supervisor:
     def _check(self, w: Supervised) -> None:
         try:
             address = ray.get(w.actor.address.remote(), timeout=PING_TIMEOUT_S)
+        except ray.exceptions.ActorDiedError:
+            if not w.gone:  # Ray's restart budget is spent: it will not come back
+                w.gone = True
+                log.error("%s worker %s is dead for good (its %s restarts are used up); restart pdserve serve to "
+                          "get it back", w.role, w.address, self.max_restarts)
+            return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             if w.down_since is None:
                 w.down_since = time.monotonic()

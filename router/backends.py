@@ -73,6 +73,13 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
                                "worker stream ended without a final message")
 
 
+def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """A worker went away (UNAVAILABLE), or decode's wait for the KV ran out because the prefill
+    worker died after its first token, before its KV arrived."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE or (
+        exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV cache arrived" in (exc.details() or ""))
+
+
 async def wait_for_workers(pool: WorkerPool, wait_s: float) -> bool:
     """Whether every pool has a healthy worker, waiting up to ``wait_s`` for one to come back (a
     restarted worker takes a few seconds; until then requests wait here instead of failing)."""
@@ -111,7 +118,7 @@ class SplitBackend:
                     yield ev
                 return
             except grpc.aio.AioRpcError as exc:
-                if (exc.code() != grpc.StatusCode.UNAVAILABLE or state.aborted or attempt == MAX_MIGRATIONS
+                if (not _worker_lost(exc) or state.aborted or attempt == MAX_MIGRATIONS
                         or not await wait_for_workers(self.pool, MIGRATION_WAIT_S)):
                     raise
                 log.warning("request %s: %s after %d tokens; migrating it (attempt %d)", req.request_id,

@@ -34,8 +34,19 @@ def cluster_secret() -> str | None:
 
 
 def parse_api_keys(value: str | None) -> tuple[str, ...]:
-    """``--api-key`` / ``$PDSERVE_API_KEY``: comma-separated keys, blanks dropped."""
-    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+    """``--api-key`` / ``$PDSERVE_API_KEY``: comma-separated keys, blanks dropped; () for None.
+
+    ValueError when a value is given but holds no key (``""``, ``","``: authentication would be
+    silently off), or a key is not printable ASCII (gRPC metadata and HTTP headers cannot carry it).
+    """
+    if value is None:
+        return ()
+    keys = tuple(k.strip() for k in value.split(",") if k.strip())
+    if not keys:
+        raise ValueError("--api-key / $PDSERVE_API_KEY is set but holds no key; give a key or leave it unset")
+    if any(not (k.isascii() and k.isprintable()) for k in keys):
+        raise ValueError("API keys must be printable ASCII (they travel in gRPC metadata and HTTP headers)")
+    return keys
 
 
 def key_index(keys: tuple[str, ...], presented: str | None) -> int | None:

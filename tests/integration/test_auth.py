@@ -65,3 +65,14 @@ async def test_internal_calls_need_the_cluster_secret(embedded_dir, monkeypatch)
                 await worker_pb2_grpc.DecodeServiceStub(ch).PushKv(iter([worker_pb2.KvChunk(data=b"x" * 64)]))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert await pipe.wait_idle() == 0
+
+
+def test_api_key_settings_that_would_leave_the_server_open_are_refused():
+    from pdserve.engine.host.auth import parse_api_keys
+
+    assert parse_api_keys(None) == () and parse_api_keys(" a , b ") == ("a", "b")
+    for value in ("", ",", " , "):
+        with pytest.raises(ValueError, match="holds no key"):
+            parse_api_keys(value)
+    with pytest.raises(ValueError, match="printable ASCII"):
+        parse_api_keys("ключ")
