@@ -240,17 +240,8 @@ def _kills(text: str) -> tuple[str, ...]:
     return roles
 
 
-def _fraction(text: str) -> float:
-    import argparse
-
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
 def add_soak_parser(sub) -> None:
-    from pdserve.engine.host.cli_args import non_negative_int, positive_float, positive_int
+    from pdserve.engine.host.cli_args import fraction, non_negative_int, positive_float, positive_int
 
     p = sub.add_parser("soak", help="a split cluster under a trace, cancels, deadlines and worker kills (bounded)")
     p.add_argument("--model", default=None, help="default: the embedded model")
@@ -258,8 +249,8 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--rate", type=positive_float, default=8.0, help="mean request rate, req/s")
     p.add_argument("--kills", type=_kills, default=("decode", "prefill"),
                    help="workers to kill in turn mid-run: decode and/or prefill, comma-separated ('' = none)")
-    p.add_argument("--cancel-frac", type=_fraction, default=0.10, help="share of requests their client cancels")
-    p.add_argument("--deadline-frac", type=_fraction, default=0.05,
+    p.add_argument("--cancel-frac", type=fraction, default=0.10, help="share of requests their client cancels")
+    p.add_argument("--deadline-frac", type=fraction, default=0.05,
                    help="share of requests with a deadline too tight to make")
     p.add_argument("--length-scale", type=positive_float, default=0.1)
     p.add_argument("--seed", type=non_negative_int, default=0)

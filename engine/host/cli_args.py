@@ -23,6 +23,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port, 0..65535 (0 = any free port)."""
     value = int(text)
