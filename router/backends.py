@@ -18,7 +18,8 @@ from pdserve.v1 import generate_pb2, worker_pb2
 from pdserve.router.pool import WorkerPool
 from pdserve.router.validation import ValidatedRequest
 
-KV_TIMEOUT_S = 30.0
+KV_TIMEOUT_S = 300.0  # decode's last-resort wait for a KV; a dead prefill worker is noticed at once instead
+KV_WATCH_S = 0.1  # how often the router checks the pushing prefill worker while decode waits
 MAX_MIGRATIONS = 2  # per request
 MIGRATION_WAIT_S = 4.0  # for a live worker to appear; an unsavable stream still ends within ~5 s
 ROUTE_WAIT_S = 10.0  # a new request waits this long (at most its deadline) for a pool that has no live worker
@@ -71,6 +72,26 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
         yield WorkerEvent(list(batch.token_ids))
     raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                "worker stream ended without a final message")
+
+
+async def _first_while_alive(events: AsyncIterator[WorkerEvent], pusher, decode_call) -> WorkerEvent:
+    """The decode stream's first event, unless the prefill worker pushing its KV dies first: then
+    the decode call is cancelled and UNAVAILABLE raised (migratable) at once, instead of decode
+    waiting out its KV timeout for a push that will never come."""
+    first = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait([first], timeout=KV_WATCH_S)
+            if done:
+                return first.result()
+            if not pusher.healthy:
+                decode_call.cancel()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"prefill worker {pusher.address} died before its KV reached decode")
+    finally:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
 
 
 def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
@@ -173,7 +194,10 @@ class SplitBackend:
                 timings.kv_transfer_bytes = worker.kv_transfer_bytes
                 return timings
 
-            async for ev in _token_events(decode_call, final):
+            events = _token_events(decode_call, final)
+            # until decode has the KV (its first event), the prefill worker that pushes it must live
+            yield await _first_while_alive(events, prefill_w, decode_call)
+            async for ev in events:
                 yield ev
         except grpc.aio.AioRpcError as exc:
             self.pool.call_failed(current, exc)

@@ -53,3 +53,28 @@ async def test_without_a_live_decode_worker_the_stream_ends_with_an_error_soon(e
             pipe, client, make_request("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0), 5)
         assert error is not None and error.code == "UNAVAILABLE" and killed is not None
         assert loop.time() - t < 8.0  # the migration waits up to 4 s for a live worker, then gives up
+
+
+async def test_a_prefill_worker_that_dies_before_its_kv_arrives_is_noticed_at_once(embedded_dir):
+    """Its first token came back, its KV push never will: the router sees the prefill worker die
+    and ends the decode wait at once (migrating when it can; here no prefill worker is left, so
+    the stream ends with UNAVAILABLE within seconds, not after decode's 300 s KV timeout)."""
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        prefill_w = pipe.workers[0]
+        pushed = asyncio.Event()
+
+        async def never_push(target, request_id, frame):
+            pushed.set()
+            await asyncio.sleep(3600)
+
+        prefill_w.worker.kv_sender.send_kv = never_push
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        task = asyncio.create_task(client.generate(make_request("Once upon a time", max_tokens=20, temperature=0)))
+        await asyncio.wait_for(pushed.wait(), 10)
+        await prefill_w.server.stop(0)
+        res = await asyncio.wait_for(task, 15)
+        assert res.error and "UNAVAILABLE" in res.error and "died before its KV" in res.error
+        assert len(res.token_ids) == 1 and loop.time() - t < 10
+        decode = pipe.workers[1].worker.engine
+        assert decode.blocks.num_used == 0 and not decode.scheduler.has_work()
