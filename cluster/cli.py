@@ -28,7 +28,21 @@ def _cluster_config(args):
                          http_port=getattr(args, "http_port", 0) or None,
                          api_keys=parse_api_keys(getattr(args, "api_key", None) if getattr(args, "api_key", None)
                                                  is not None else os.environ.get(API_KEY_ENV)),
-                         max_requests_per_worker=getattr(args, "max_requests_per_worker", 0))
+                         max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
+                         tls=_tls_files(args))
+
+
+def _tls_files(args) -> tuple[str, str] | None:
+    """(cert, key) from --tls-cert/--tls-key: both or neither; ValueError for one, or an unreadable file."""
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("give both --tls-cert and --tls-key")
+    for path in (cert, key):
+        with open(path, "rb"):
+            pass
+    return str(os.path.abspath(cert)), str(os.path.abspath(key))
 
 
 def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
@@ -95,7 +109,7 @@ def cmd_generate(args) -> int:
         req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                            ignore_eos=args.ignore_eos)
-        async with Client(args.router or f"127.0.0.1:{args.port}", args.api_key) as client:
+        async with Client(args.router or f"127.0.0.1:{args.port}", args.api_key, args.tls_ca) as client:
             try:
                 res = await client.generate(req, timeout=args.timeout,
                                             on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
@@ -143,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="clients must send 'authorization: Bearer KEY' (gRPC metadata or HTTP header); "
                         "comma-separate several; default $PDSERVE_API_KEY, else no key")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512,
                    help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429, retry hint 1 s) when every decode "
                         "worker holds this many; 0 = no bound")
@@ -160,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM certificate to trust: reach the router over TLS")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
 

@@ -38,6 +38,7 @@ class ClusterConfig:
     model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     max_requests_per_worker: int = 0
+    tls: tuple[str, str] | None = None  # (certificate chain, private key) PEM files for the client-facing APIs
     ray_address: str | None = None
     device: str | None = None
 

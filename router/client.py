@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -63,9 +64,11 @@ def make_request(prompt: str, max_tokens: int | None = None, temperature: float 
 class Client:
     """Async client over one channel to the router at ``address`` ("host:port")."""
 
-    def __init__(self, address: str, api_key: str | None = None) -> None:
-        """``api_key``: sent as ``authorization: Bearer`` on every call (default $PDSERVE_API_KEY)."""
-        self.channel = client_channel(address, GRPC_OPTIONS, api_key or os.environ.get(API_KEY_ENV) or None)
+    def __init__(self, address: str, api_key: str | None = None, tls_ca: str | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer`` on every call (default $PDSERVE_API_KEY).
+        ``tls_ca``: a PEM file to trust; the router is then reached over TLS."""
+        ca = Path(tls_ca).read_bytes() if tls_ca else None
+        self.channel = client_channel(address, GRPC_OPTIONS, api_key or os.environ.get(API_KEY_ENV) or None, ca)
         self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
 
     async def __aenter__(self) -> "Client":

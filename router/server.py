@@ -103,7 +103,7 @@ class RunningRouter:
         await self.core.pool.close()
 
 
-async def start_http(core: RouterCore, model_name: str, host: str, port: int):
+async def start_http(core: RouterCore, model_name: str, host: str, port: int, tls: tuple[str, str] | None = None):
     """uvicorn serving the OpenAI API on this event loop; (server, task, bound port).
 
     OSError when the port cannot be bound."""
@@ -116,8 +116,9 @@ async def start_http(core: RouterCore, model_name: str, host: str, port: int):
         def capture_signals(self):  # the process that hosts the router owns SIGINT/SIGTERM
             yield
 
+    ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
     config = uvicorn.Config(build_app(core, model_name), host=host, port=port, log_level="warning",
-                            lifespan="off", access_log=False)
+                            lifespan="off", access_log=False, **ssl)
     server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -130,7 +131,8 @@ async def start_http(core: RouterCore, model_name: str, host: str, port: int):
 async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = (), both: list[str] = (),
                 host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None,
                 http_port: int | None = None, model_name: str | None = None,
-                api_keys: tuple[str, ...] = (), max_requests_per_worker: int = 0) -> RunningRouter:
+                api_keys: tuple[str, ...] = (), max_requests_per_worker: int = 0,
+                tls: tuple[str, str] | None = None) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``both``) pool.
 
     ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
@@ -138,7 +140,9 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     ``api_keys``: when given, both APIs want ``authorization: Bearer <one of them>`` (else
     UNAUTHENTICATED / HTTP 401); health, reflection and /metrics stay open.
     ``max_requests_per_worker``: past it on every decode (colocated) worker, RESOURCE_EXHAUSTED
-    (HTTP 429 with Retry-After); 0: no bound.
+    (HTTP 429 with Retry-After); 0: no bound. ``tls``: (certificate chain file, private key file,
+    both PEM) to serve both client-facing APIs over TLS (gRPC over TLS, HTTPS); internal calls stay
+    on the cluster's own channels. OSError when a file cannot be read.
     ValueError when the pool is neither split nor colocated; OSError when a port cannot be bound.
     """
     if both and (prefill or decode):
@@ -155,14 +159,15 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     health_servicer = health.aio.HealthServicer()
     server, bound = await start_server(
         [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), GENERATE_SERVICE)],
-        host, port, health_servicer, interceptors=[require_api_key(core.api_keys)] if core.api_keys else None)
+        host, port, health_servicer, interceptors=[require_api_key(core.api_keys)] if core.api_keys else None,
+        tls=(Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None)
     pool.on_refresh.append(_readiness(pool, health_servicer))
     await pool.on_refresh[-1]()
     running = RunningRouter(core, server, f"{host}:{bound}")
     if http_port is not None:
         try:
             running.http, running.http_task, http_bound = await start_http(
-                core, model_name or Path(model_dir).name, host, http_port)
+                core, model_name or Path(model_dir).name, host, http_port, tls)
         except BaseException:
             await running.stop()
             raise

@@ -152,9 +152,14 @@ def _adding(key: str, value: str) -> list:
     return [kind(key, value) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
-def client_channel(address: str, options, api_key: str | None = None) -> grpc.aio.Channel:
-    """A channel to a router that sends ``authorization: Bearer <api_key>`` on every call (when given)."""
+def client_channel(address: str, options, api_key: str | None = None,
+                   tls_ca: bytes | None = None) -> grpc.aio.Channel:
+    """A channel to a router that sends ``authorization: Bearer <api_key>`` on every call (when
+    given); over TLS, trusting the PEM ``tls_ca``, when that is given."""
     interceptors = _adding("authorization", f"Bearer {api_key}") if api_key else None
+    if tls_ca is not None:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), options=options,
+                                       interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 

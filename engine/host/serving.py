@@ -23,14 +23,16 @@ GRPC_OPTIONS = [
 async def start_server(register: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
                        host: str = "127.0.0.1", port: int = 0,
                        health_servicer: health.aio.HealthServicer | None = None,
-                       interceptors: list | None = None) -> tuple[grpc.aio.Server, int]:
+                       interceptors: list | None = None,
+                       tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection
     (v1 and v1alpha), which list exactly the services this server serves.
 
     register: (add_XServicer_to_server, servicer, full service name) triples. Every service is
     reported SERVING; pass ``health_servicer`` to change that later (the router reports
     NOT_SERVING while a pool has no healthy worker). ``interceptors``: server interceptors, such as
-    ``auth.require_api_key`` (health and reflection stay open). Returns the server and the bound port
+    ``auth.require_api_key`` (health and reflection stay open). ``tls``: (PEM certificate chain,
+    PEM private key) to serve TLS instead of plaintext. Returns the server and the bound port
     (``port=0`` picks a free one). Raises RuntimeError when the port cannot be bound.
     """
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
@@ -41,7 +43,10 @@ async def start_server(register: list[tuple[Callable[[Any, grpc.aio.Server], Non
         add(servicer, server)
         names.append(name)
     reflection_v1.enable(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()

@@ -45,7 +45,7 @@ class Pipeline:
 async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
                          block_size: int = 16, dtype: str = "float32", http: bool = False,
                          api_keys: tuple[str, ...] = (), num_decode: int = 1, max_requests_per_worker: int = 0,
-                         **engine_kw):
+                         tls: tuple[str, str] | None = None, **engine_kw):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``)."""
     import pdserve.decode_worker.colocated as colocated
@@ -60,11 +60,11 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
         workers = list(await asyncio.gather(prefill.serve(cfg), *[decode.serve(cfg) for _ in range(num_decode)]))
         r = await router.serve(model, prefill=[workers[0].address], decode=[w.address for w in workers[1:]],
                                http_port=0 if http else None, model_name="test-model",
-                               api_keys=api_keys, max_requests_per_worker=max_requests_per_worker)
+                               api_keys=api_keys, max_requests_per_worker=max_requests_per_worker, tls=tls)
     else:
         workers = [await colocated.serve(cfg)]
         r = await router.serve(model, both=[workers[0].address], http_port=0 if http else None,
-                               model_name="test-model", api_keys=api_keys, max_requests_per_worker=max_requests_per_worker)
+                               model_name="test-model", api_keys=api_keys, max_requests_per_worker=max_requests_per_worker, tls=tls)
     try:
         yield Pipeline(r.address, workers, r)
     finally:

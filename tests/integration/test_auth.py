@@ -76,3 +76,38 @@ def test_api_key_settings_that_would_leave_the_server_open_are_refused():
             parse_api_keys(value)
     with pytest.raises(ValueError, match="printable ASCII"):
         parse_api_keys("ключ")
+
+
+@pytest.fixture
+def self_signed(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+async def test_tls_on_both_client_facing_apis(embedded_dir, self_signed):
+    cert, key = self_signed
+    async with local_pipeline(embedded_dir, "split", http=True, tls=(cert, key)) as pipe:
+        async with Client(pipe.address, tls_ca=cert) as client:
+            res = await client.generate(make_request("hi", max_tokens=3, temperature=0))
+            assert len(res.token_ids) == 3 and not res.error
+        async with Client(pipe.address) as plain:  # plaintext against a TLS port: no service
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await plain.generate(make_request("hi", max_tokens=3), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        url = f"https://{pipe.router.http_address}"
+        import ssl
+
+        async with httpx.AsyncClient(base_url=url, verify=ssl.create_default_context(cafile=cert)) as https:
+            r = await https.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            with pytest.raises(httpx.HTTPError):
+                await http.get("/health")
