@@ -67,7 +67,8 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
         if core.api_keys and core.owner_of(request.headers.items()) is None:
             core.metrics.rejected("invalid")
             log.warning("refused %s %s: missing or wrong API key", request.method, request.url.path)
-            return JSONResponse(error_body("missing or wrong API key (authorization: Bearer)", 401), status_code=401)
+            return JSONResponse(error_body("missing or wrong API key (authorization: Bearer)", 401), status_code=401,
+                                headers={"www-authenticate": "Bearer"})  # RFC 6750
         return None
 
     async def handle(request: Request, kind: str):

@@ -43,7 +43,8 @@ async def test_api_keys_guard_both_apis_and_abort_is_per_key(embedded_dir, monke
             model="test-model", prompt="hi", max_tokens=2)
         assert ok.usage.completion_tokens == 2
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
-            assert (await http.get("/v1/models")).status_code == 401
+            refused = await http.get("/v1/models")
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
             assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
         assert await pipe.wait_idle() == 0
 
