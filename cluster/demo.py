@@ -60,7 +60,7 @@ def demo_model(model: str | None) -> str:
 
 
 async def _run(address: str, prompts: list[str], max_tokens: int, console: Console):
-    from pdserve.router.client import Client, make_request
+    from pdserve.router.client import Client
 
     texts = [""] * len(prompts)
     async with Client(address) as client:

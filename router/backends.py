@@ -48,11 +48,13 @@ class RequestState:
 
     def abort(self) -> None:
         self.aborted = True
-        for call in self.calls:
-            call.cancel()
+        self._cancel_calls()
 
     def shut_down(self) -> None:
         self.shutting_down = True
+        self._cancel_calls()
+
+    def _cancel_calls(self) -> None:
         for call in self.calls:
             call.cancel()
 
@@ -99,6 +101,11 @@ def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
     worker died after its first token, before its KV arrived."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
         exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV cache arrived" in (exc.details() or ""))
+
+
+def _route_wait(timeout: float | None) -> float:
+    """How long a new request waits for a live worker: ROUTE_WAIT_S, at most its deadline."""
+    return ROUTE_WAIT_S if timeout is None else min(ROUTE_WAIT_S, timeout)
 
 
 async def wait_for_workers(pool: WorkerPool, wait_s: float) -> bool:
@@ -158,7 +165,7 @@ class SplitBackend:
             return
         prompt = list(req.prompt_token_ids) + produced
         request_id = req.request_id if attempt == 0 else f"{req.request_id}#migrated{attempt}"
-        await wait_for_workers(self.pool, ROUTE_WAIT_S if timeout is None else min(ROUTE_WAIT_S, timeout))
+        await wait_for_workers(self.pool, _route_wait(timeout))
         prefill_w, decode_w = self.pool.pick_prefill(), self.pool.pick_decode()
         n = len(prompt)
         prefill_w.outstanding_prefill_tokens += n
@@ -215,7 +222,7 @@ class ColocatedBackend:
 
     async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
                      timeout: float | None) -> AsyncIterator[WorkerEvent]:
-        await wait_for_workers(self.pool, ROUTE_WAIT_S if timeout is None else min(ROUTE_WAIT_S, timeout))
+        await wait_for_workers(self.pool, _route_wait(timeout))
         w = self.pool.pick_colocated()
         n = len(req.prompt_token_ids)
         w.outstanding_prefill_tokens += n

@@ -8,8 +8,6 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import grpc
-
 from pdserve.engine.host.auth import API_KEY_ENV, client_channel
 from pdserve.engine.host.serving import GRPC_OPTIONS
 from pdserve.v1 import generate_pb2 as PB
