@@ -108,8 +108,11 @@ class EngineConfig:
     """Engine settings shared by every role.
 
     ``num_kv_blocks`` is the size of the paged KV cache in blocks of ``block_size`` tokens; when
-    None it is derived from ``kv_cache_gib`` (GiB of KV memory). ``max_num_batched_tokens`` bounds the
-    tokens of one prefill batch; ``max_num_seqs`` bounds the sequences of any batch.
+    None it is derived from ``kv_cache_gib`` (GiB of KV memory). ``max_num_batched_tokens`` is the
+    token budget of one step (with ``enable_chunked_prefill``, prompts are cut into chunks to fit it
+    beside the decoding sequences; without, it bounds a prefill batch of whole prompts);
+    ``max_num_seqs`` bounds the sequences of any step. ``enable_prefix_caching`` keeps full KV
+    blocks for reuse by later requests with the same prefix.
     ``torch_threads`` (CPU only) sets ``torch.set_num_threads`` for the worker process.
     """
 
@@ -119,6 +122,8 @@ class EngineConfig:
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None
     dtype: str = "auto"
     device: str = "cpu"

@@ -60,8 +60,9 @@ class Engine:
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
         self.runner = ModelRunner(cfg, self.model_dir)
         self.model_cfg = self.runner.model_cfg
-        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill)
         self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > max_pos:
@@ -114,6 +115,7 @@ class Engine:
         self.blocks.allocate(seq, seq.num_tokens)
         self.runner.write_kv(seq, payload.kv)
         self.scheduler.admit_running(seq)
+        self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
         return seq
 
     def extract_kv(self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None) -> KvPayload:
@@ -137,7 +139,9 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Run one prefill or decode step. Finished sequences leave the engine and free their blocks.
+        """Run one model step (prefill chunks and decode tokens, see ``Scheduler``). Returns a
+        token for each sequence that sampled one; finished sequences leave the engine and free
+        their blocks.
 
         If the forward pass raises, every sequence of the batch is finished with ERROR and freed,
         and StepError (carrying them) is raised.
@@ -146,8 +150,8 @@ class Engine:
         if batch is None:
             return []
         now = time.monotonic_ns()
-        if batch.is_prefill:
-            for s in batch.seqs:
+        for s in batch.seqs:
+            if not s.prefill_start_ns:
                 s.prefill_start_ns = now
         try:
             tokens = self.runner.run(batch)
@@ -157,13 +161,12 @@ class Engine:
             raise StepError(exc, batch.seqs) from exc
         done = time.monotonic_ns()
         outputs = []
-        for seq, tok in zip(batch.seqs, tokens):
-            if batch.is_prefill:
-                seq.prefill_end_ns = done
-            seq.append_token(tok)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-            outputs.append(StepOutput(seq, tok, batch.is_prefill))
+        for c in self.scheduler.complete(batch, tokens):
+            if c.token is None:
+                continue
+            if c.prefill:
+                c.seq.prefill_end_ns = done
+            outputs.append(StepOutput(c.seq, c.token, c.prefill))
         return outputs
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
@@ -186,4 +189,7 @@ class Engine:
             "used_kv_blocks": self.blocks.num_used, "free_kv_blocks": self.blocks.num_free,
             "block_size": self.cfg.block_size, "model_fingerprint": self._digest,
             "outstanding_prefill_tokens": sum(q.num_tokens for q in waiting),
+            "cached_kv_blocks": self.blocks.num_cached,
+            "prefix_query_tokens": s.num_prompt_tokens_admitted,
+            "prefix_hit_tokens": s.num_cached_tokens_admitted,
         }

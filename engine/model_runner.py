@@ -62,34 +62,40 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def run(self, batch: Batch) -> list[int]:
-        """One model step; returns one sampled token per sequence, in batch order (one host sync)."""
-        seqs = batch.seqs
+        """One model step; returns one sampled token per sequence whose chunk reaches its last
+        token (``Batch.samples``), in batch order (one host sync).
+
+        Each sequence computes positions ``num_computed_tokens .. + num_query_tokens - 1``; their
+        queries attend to the cached positions before them and to each other, causally."""
+        seqs, counts = batch.seqs, batch.num_query_tokens
         width = max(len(s.block_table) for s in seqs)
         tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
-        lens = self._tensor([s.num_tokens for s in seqs], torch.int32)
+        starts = [s.num_computed_tokens for s in seqs]
+        ends = [a + n for a, n in zip(starts, counts)]
+        lens = self._tensor(ends, torch.int32)
         if batch.is_prefill:
-            ids = [t for s in seqs for t in s.token_ids]
-            positions = [p for s in seqs for p in range(s.num_tokens)]
-            slot_mapping = [x for s in seqs for x in self.slots(s, 0, s.num_tokens)]
-            cu = [0]
-            for s in seqs:
-                cu.append(cu[-1] + s.num_tokens)
-            meta = AttentionMetadata(True, self._tensor(slot_mapping, torch.int64), tables, lens,
-                                     self._tensor(cu, torch.int32), cu_seqlens=cu)
-            last = self._tensor([c - 1 for c in cu[1:]], torch.int64)
-        else:
+            ids = [t for s, a, b in zip(seqs, starts, ends) for t in s.token_ids[a:b]]
+            positions = [p for a, b in zip(starts, ends) for p in range(a, b)]
+            slot_mapping = [x for s, a, b in zip(seqs, starts, ends) for x in self.slots(s, a, b)]
+        else:  # one token per sequence, its last
             ids = [s.token_ids[-1] for s in seqs]
-            positions = [s.num_tokens - 1 for s in seqs]
-            slot_mapping = [self.slots(s, s.num_tokens - 1, s.num_tokens)[0] for s in seqs]
-            meta = AttentionMetadata(False, self._tensor(slot_mapping, torch.int64), tables, lens,
-                                     self._tensor(list(range(len(seqs) + 1)), torch.int32))
-            last = None
+            positions = starts
+            slot_mapping = [self.slots(s, a, a + 1)[0] for s, a in zip(seqs, starts)]
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(batch.is_prefill, self._tensor(slot_mapping, torch.int64), tables, lens,
+                                 self._tensor(cu, torch.int32), cu_seqlens=cu, context_lens_host=ends)
         hidden = self.model.forward(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta,
                                     self.kv_cache)
-        if last is not None:
-            hidden = hidden[last]
+        sampled = [i for i in range(len(seqs)) if batch.samples(i)]
+        if not sampled:  # every chunk stopped short of its prompt's end
+            return []
+        if batch.is_prefill:
+            hidden = hidden[self._tensor([cu[i + 1] - 1 for i in sampled], torch.int64)]
         logits = self.model.compute_logits(hidden)
-        return sample(logits, [s.sampling for s in seqs], [s.sampling.step_offset + s.num_output_tokens for s in seqs])
+        chosen = [seqs[i] for i in sampled]
+        return sample(logits, [s.sampling for s in chosen], [s.sampling.step_offset + s.num_output_tokens for s in chosen])
 
     def _runs(self, seq: Sequence, n: int) -> list[tuple[int, int, int]]:
         """Positions 0..n-1 of ``seq`` as runs over consecutive block ids: (first position, end position,

@@ -34,8 +34,10 @@ class AttentionMetadata:
     [num_seqs] int32, each sequence's KV positions, this step's tokens included;
     ``query_start_loc`` [num_seqs + 1] int32, where each sequence's tokens start in the batch (a
     decode step has one token per sequence, so it is 0..num_seqs).
-    Prefill also has ``cu_seqlens``, the same offsets as a host list; every sequence starts at
-    position 0.
+    ``cu_seqlens`` holds the same offsets and ``context_lens_host`` the same lengths as host
+    lists. A sequence's query rows are its last ``query_start_loc[b + 1] - query_start_loc[b]``
+    positions: a prefill chunk may follow positions already in the cache (an earlier chunk, a
+    cached prefix), and a step may mix prefill chunks with decode rows.
     """
 
     is_prefill: bool
@@ -44,6 +46,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     query_start_loc: torch.Tensor
     cu_seqlens: list[int] | None = None
+    context_lens_host: list[int] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -55,7 +58,8 @@ class AttentionBackend(Protocol):
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] (packed,
         causal per sequence; also already in k/v_cache [num_blocks, block_size, num_kv_heads,
-        head_dim]) -> [num_tokens, num_heads * head_dim]."""
+        head_dim], which holds the positions before each sequence's rows too) -> [num_tokens,
+        num_heads * head_dim]."""
         ...
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,29 +79,36 @@ class TorchAttention:
     def __init__(self, scale: float, sliding_window: int | None) -> None:
         self.scale, self.window = scale, sliding_window
 
-    def _mask(self, n: int, device: torch.device) -> torch.Tensor | None:
-        """None (plain causal) unless the window is shorter than ``n``; then a bool [n, n] mask where
-        query i sees key j iff j <= i and i - j < window (transformers' sliding-window rule)."""
-        if self.window is None or n <= self.window:
+    def _mask(self, nq: int, n: int, device: torch.device) -> torch.Tensor | None:
+        """None (plain causal) when the ``nq`` queries are all ``n`` positions and the window is not
+        shorter; else a bool [nq, n] mask where query i (position n - nq + i) sees key j iff j is not
+        after it and, with a window, i - j < window (transformers' sliding-window rule)."""
+        if nq == n and (self.window is None or n <= self.window):
             return None
-        i = torch.arange(n, device=device)[:, None]
+        i = torch.arange(n - nq, n, device=device)[:, None]
         j = torch.arange(n, device=device)[None, :]
-        return (j <= i) & (i - j < self.window)
+        mask = j <= i
+        return mask & (i - j < self.window) if self.window is not None else mask
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        bounds = meta.cu_seqlens
+        bounds, bs = meta.cu_seqlens, k_cache.shape[1]
+        lens = meta.context_lens_host or meta.context_lens.tolist()
         for s in range(len(bounds) - 1):
-            a, b = bounds[s], bounds[s + 1]
-            mask = self._mask(b - a, q.device)
+            a, b, n = bounds[s], bounds[s + 1], lens[s]
+            if n == b - a:  # the whole sequence is in this step: its fresh K/V
+                keys, vals = k[a:b], v[a:b]
+            else:  # earlier positions are read back from the cache through the block table
+                blocks = meta.block_tables[s, : -(-n // bs)].long()
+                keys, vals = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
+            mask = self._mask(b - a, n, q.device)
             # 4-D [1, H, n, D] views take SDPA's fused CPU kernel (3-D inputs take a ~10x slower path)
-            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
-                                               v[a:b].transpose(0, 1)[None], attn_mask=mask,
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                               vals.transpose(0, 1)[None], attn_mask=mask,
                                                is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[a:b] = o[0].transpose(0, 1)
         return out.flatten(1)
-
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

@@ -26,8 +26,11 @@ class FinishReason(enum.Enum):
 class Sequence:
     """One request. ``token_ids`` = prompt followed by generated tokens.
 
-    Invariant while RUNNING: the KV cache holds every position except the last token, which is the
-    next decode input. ``block_table`` lists the KV block ids covering positions 0.. in order.
+    ``num_computed_tokens`` positions have their KV in the cache (a prefix taken from the prefix
+    cache counts, ``num_cached_tokens`` of them); a step computes the next ones, a chunk of the
+    prompt or, once only the last token is left (``is_decoding``), that token. ``block_table``
+    lists the KV block ids covering positions 0.. in order; ``block_hashes`` names its first full
+    blocks (prefix caching, see ``prefix_hash``).
     """
 
     request_id: str
@@ -38,6 +41,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     prefill_start_ns: int = 0
     prefill_end_ns: int = 0
@@ -61,6 +67,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Positions still to compute before the next token can be sampled (1 when decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return len(self.token_ids) - self.num_computed_tokens == 1 and self.num_output_tokens > 0
 
     @property
     def is_finished(self) -> bool:

@@ -81,7 +81,7 @@ def test_can_allocate_boundary() -> None:
 def test_over_allocation_raises_and_takes_nothing() -> None:
     bm = BlockManager(num_blocks=3, block_size=4)
     seq = make_seq()
-    with pytest.raises(RuntimeError, match="need 4 KV blocks, 3 free"):
+    with pytest.raises(RuntimeError, match="need 4 more KV blocks, 3 free"):
         bm.allocate(seq, 13)
     assert seq.block_table == []
     assert bm.num_free == 3

@@ -1,4 +1,7 @@
-"""Scheduler with real Sequence and BlockManager objects; model steps are simulated by appending tokens."""
+"""Scheduler with real Sequence and BlockManager objects; model steps are simulated by appending tokens.
+
+Most cases here pin the prefill-first policy (``chunked_prefill=False``); test_chunked_prefill.py
+covers the chunked one, and the random workload runs both."""
 
 from __future__ import annotations
 
@@ -20,18 +23,15 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int = 100) -> Sequenc
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+                   max_num_batched_tokens: int = 64, chunked_prefill: bool = False) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, chunked_prefill)
 
 
 def step(sched: Scheduler) -> Batch | None:
-    """One simulated model step: every scheduled sequence gets one token; finished ones leave."""
+    """One simulated model step: every sequence that samples gets one token; finished ones leave."""
     batch = sched.schedule()
     if batch is not None:
-        for seq in batch.seqs:
-            seq.append_token(NEXT_TOKEN)
-            if seq.is_finished:
-                sched.finish(seq)
+        sched.complete(batch, [NEXT_TOKEN] * sum(batch.samples(i) for i in range(len(batch.seqs))))
     return batch
 
 
@@ -83,13 +83,13 @@ def test_prefill_allocates_prompt_plus_one_and_stops_when_blocks_run_out() -> No
     a, b, c = make_seq("a", 7), make_seq("b", 8), make_seq("c", 1)
     for seq in (a, b, c):  # a: 8 positions, 2 blocks; b: 9 positions, 3 blocks; c: 2 positions, 1 block
         sched.add(seq)
-    batch = sched.schedule()
+    batch = step(sched)
     # b does not fit in the 2 blocks left; c would, but prefill is FIFO and stops at b
     assert batch.is_prefill and ids(batch.seqs) == ["a"]
     assert len(a.block_table) == 2 and sched.blocks.num_free == 2
     assert ids(sched.waiting) == ["b", "c"]
     assert all(s.status is SequenceStatus.WAITING and s.block_table == [] for s in (b, c))
-    batch = sched.schedule()
+    batch = step(sched)
     assert not batch.is_prefill and ids(batch.seqs) == ["a"]
     sched.finish(a, FinishReason.ABORT)
     batch = sched.schedule()
@@ -273,13 +273,14 @@ def test_find_looks_in_both_queues() -> None:
     assert sched.find("a") is None
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workload_finishes_everything_and_frees_every_block(seed: int) -> None:
+def test_random_workload_finishes_everything_and_frees_every_block(seed: int, chunked: bool) -> None:
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4])
     num_blocks = rng.randint(6, 20)
     sched = make_scheduler(num_blocks, bs, max_num_seqs=rng.randint(1, 6),
-                           max_num_batched_tokens=rng.randint(4, 32))
+                           max_num_batched_tokens=rng.randint(4, 32), chunked_prefill=chunked)
     expected: dict[str, int] = {}
     everything: list[Sequence] = []
     for i in range(rng.randint(5, 15)):
@@ -300,6 +301,8 @@ def test_random_workload_finishes_everything_and_frees_every_block(seed: int) ->
         assert len(owned) == len(set(owned)) == sched.blocks.num_used
         assert all(not s.block_table for s in sched.waiting)
         assert len(batch.seqs) <= sched.max_num_seqs
+        if chunked:
+            assert sum(batch.num_query_tokens) <= sched.max_num_batched_tokens
     assert not sched.has_work()
     assert sched.blocks.num_used == 0
     assert {s.request_id: s.num_output_tokens for s in everything} == expected
