@@ -27,8 +27,9 @@ from pdserve.router.client import FINISH_NAMES, Client, make_request
 
 @dataclass
 class ServerInfo:
-    """What a load test needs to know of the server: its model folder (for the tokenizer), context
-    window and placement (``"openai"`` when the server does not say)."""
+    """What a load test needs to know of the server: its model (pdserve's id, or a vLLM-style root
+    folder; ``cli.tokenizer_folder`` finds the tokenizer from it), context window and placement
+    (``"openai"`` when the server does not say)."""
 
     model: str
     max_model_len: int
@@ -111,7 +112,7 @@ class OpenAIBackend:
         await self.http.aclose()
 
     async def info(self) -> ServerInfo:
-        """From ``GET /v1/models``: the first model's id, ``root`` (folder) and ``max_model_len``
+        """From ``GET /v1/models``: the first model's id, ``root`` (vLLM: its folder) and ``max_model_len``
         (vLLM and pdserve report both). RuntimeError when the server cannot be reached or lists
         no model."""
         try:

@@ -195,6 +195,25 @@ def make_backend(args):
     return GrpcBackend(args.router, args.api_key)
 
 
+def tokenizer_folder(served: str) -> str:
+    """A local folder with the tokenizer of the model a server reports (pdserve: its id; vLLM: its
+    ``root``, often a path): that folder when it is one here, else the embedded model or the GGUF
+    conversion the id names (cached on this machine, or built). SystemExit asking for
+    ``--tokenizer`` otherwise (pdserve never shows its model's path to clients)."""
+    from pdserve.engine.models.embedded import resolve_embedded
+    from pdserve.engine.models.gguf import resolve_gguf
+
+    if Path(served).expanduser().is_dir():
+        return served
+    try:
+        found = resolve_embedded(served) or resolve_gguf(served)
+    except FileNotFoundError:
+        found = None
+    if found is None:
+        raise SystemExit(f"the server serves {served!r}, which names no model folder here; pass --tokenizer FOLDER")
+    return str(found)
+
+
 def cmd_bench(args) -> int:
     from urllib.parse import urlsplit
 
@@ -212,7 +231,7 @@ def cmd_bench(args) -> int:
     async def main() -> int:
         async with make_backend(args) as backend:
             info = await backend.info()
-            tokenizer = Tokenizer.from_folder(args.tokenizer or info.model)
+            tokenizer = Tokenizer.from_folder(args.tokenizer or tokenizer_folder(info.model))
             max_model_len = info.max_model_len or tokenizer.model_max_length
             specs = build_specs(args, tokenizer, max_model_len, args.rate)
             kind = backend.name if info.placement == backend.name else f"{info.placement}, {backend.name}"
@@ -252,7 +271,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback router address")
     p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)")
     p.add_argument("--tokenizer", default=None,
-                   help="model folder for the tokenizer (default: the server's model folder)")
+                   help="model folder for the tokenizer (default: the folder the served model's id "
+                        "names here: an embedded or GGUF model, or a folder path)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-duration", type=positive_float, default=600.0, help="hard stop for the run, s")
     p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")

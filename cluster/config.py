@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 
@@ -21,10 +22,11 @@ class ClusterConfig:
     forces it (``start_cluster`` refuses "cuda" without enough GPUs).
     ``ray_address`` None starts a local Ray instance; otherwise joins that cluster.
     ``http_port``: the router's OpenAI-compatible HTTP port (0: any free port; None: no HTTP), on
-    ``router_host``. ``model_name``: the model id HTTP clients send (default: the model folder's name).
+    ``router_host``. ``model_name``: the model id clients see and send (default: ``served_model_name``).
     ``api_keys``: the keys clients must present (``authorization: Bearer``); empty: none. Internal
-    calls always carry a secret the cluster makes at start. ``max_requests_per_worker``: the
-    router refuses new requests (RESOURCE_EXHAUSTED) when every decode worker holds that many; 0: no bound.
+    calls always carry the cluster's secret ($PDSERVE_CLUSTER_SECRET, else one made at start).
+    ``max_requests_per_worker``: the router refuses new requests (RESOURCE_EXHAUSTED) when every
+    decode worker holds that many; 0: no bound.
     """
 
     engine: EngineConfig
@@ -41,6 +43,16 @@ class ClusterConfig:
     tls: tuple[str, str] | None = None  # (certificate chain, private key) PEM files for the client-facing APIs
     ray_address: str | None = None
     device: str | None = None
+
+    @property
+    def served_model_name(self) -> str:
+        """The model id clients see and send: ``model_name``, else the ``--model`` spec as given
+        ("embedded", a hub id owner/name, ...), or for a local folder or file only its name (never
+        a path)."""
+        if self.model_name:
+            return self.model_name
+        path = Path(self.engine.model).expanduser()
+        return path.name if path.exists() or self.engine.model.startswith((".", "/", "~")) else self.engine.model
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:

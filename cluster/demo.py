@@ -59,12 +59,14 @@ def demo_model(model: str | None) -> str:
     return model or (SMOLLM2 if smollm2_file() else "embedded")
 
 
-async def _run(address: str, prompts: list[str], max_tokens: int, console: Console):
+async def _run(address: str, secret: str, prompts: list[str], max_tokens: int, console: Console):
+    """Stream every prompt at once through the router at ``address``; ``secret`` (the cluster's)
+    gets the admin model info: the model folder and the worker addresses."""
     from pdserve.router.client import Client
 
     texts = [""] * len(prompts)
     async with Client(address) as client:
-        info = await client.model_info()
+        info = await client.model_info(cluster_secret=secret)
         console.print(f"model [bold]{info.model}[/] ({info.placement}: "
                       f"{', '.join(f'{w.role}@{w.address}' for w in info.workers)})")
 
@@ -73,7 +75,7 @@ async def _run(address: str, prompts: list[str], max_tokens: int, console: Conso
                 texts[i] += t
             return on_text
 
-        reqs = _requests(info.model, prompts, max_tokens)
+        reqs = _requests(info.model_path, prompts, max_tokens)
         with Live(_answers_table(prompts, texts), console=console, refresh_per_second=8) as live:
             tasks = [asyncio.create_task(client.generate(r, timeout=300, on_text=appender(i)))
                      for i, r in enumerate(reqs)]
@@ -101,7 +103,7 @@ def cmd_demo(args) -> int:
     with start_cluster(cfg) as cluster:
         console.print(f"cluster up in {time.monotonic() - t0:.1f}s; router at {cluster.address}; "
                       f"streaming {len(prompts)} prompts concurrently")
-        results = asyncio.run(_run(cluster.address, prompts, args.max_tokens, console))
+        results = asyncio.run(_run(cluster.address, cluster.secret, prompts, args.max_tokens, console))
         console.print(_figures_table(prompts, results))
         ttfts = sorted(r.ttft * 1e3 for r in results)
         tpots = sorted(r.tpot * 1e3 for r in results if len(r.token_ids) > 1)

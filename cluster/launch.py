@@ -14,6 +14,7 @@ import ray
 from pdserve.cluster.actors import RouterActor, WorkerActor
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.supervisor import Supervised, Supervisor
+from pdserve.engine.host.auth import cluster_secret
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
@@ -81,7 +82,7 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
     started) when a worker or the router fails to start.
     """
     model_dir = _resolve_model(cfg)
-    model_name = cfg.model_name or cfg.engine.model  # the spec the user gave, before it is resolved
+    model_name = cfg.served_model_name  # from the spec the user gave, before it is resolved
     cfg = replace(cfg, engine=replace(cfg.engine, model=str(model_dir)))
     roles = cfg.roles
     started = _init_ray(cfg, len(roles) * cfg.cpus_per_worker)
@@ -99,7 +100,8 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         # pin CPU workers to their own cores on a local machine (a remote cluster's nodes are its own)
         pin = started and not use_gpu and sys.platform.startswith("linux")
         cpu_sets = cfg.cpu_sets(os.cpu_count() or 1) if pin else None
-        secret = cluster.secret = secrets.token_hex(32)  # internal calls carry it; strangers do not have it
+        # internal calls carry it, and it opens the router's admin view; strangers do not have it
+        secret = cluster.secret = cluster_secret() or secrets.token_hex(32)
         start_args = [(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret) for i, r in enumerate(roles)]
         addresses = ray.get([a.start.remote(*args) for a, args in zip(actors, start_args)], timeout=START_TIMEOUT_S)
         cluster.workers = dict(zip(addresses, roles))

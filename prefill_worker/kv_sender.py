@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from pdserve.engine.kv.codec import Frame
@@ -62,7 +64,10 @@ class GrpcKvSender:
         return call
 
     async def send_kv(self, target: str, request_id: str, frame: Frame) -> None:
-        """Stream ``frame`` to ``target``; KvTransferError with the gRPC status on failure."""
+        """Stream ``frame`` to ``target``; on failure KvTransferError with the call's status code
+        name as ``code`` and its details as ``reason`` (CANCELLED when gRPC ends the call with
+        CancelledError, as it may when the deadline passes mid-write, unless this task itself is
+        being cancelled)."""
 
         def chunks():
             for i, piece in enumerate(iter_chunks(frame, self.chunk_bytes)):
@@ -71,8 +76,15 @@ class GrpcKvSender:
         try:
             await self._push_kv(target)(chunks(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise KvTransferError(f"KV push of {request_id!r} to {target} failed: "
-                                  f"{exc.code().name}: {exc.details()}") from exc
+            raise KvTransferError(f"KV push of {request_id!r} to {target} failed: {exc.code().name}: {exc.details()}",
+                                  exc.code().name, exc.details() or "") from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and getattr(task, "cancelling", lambda: 0)():  # this push itself was cancelled (3.11+)
+                raise
+            # grpc.aio ends a call whose deadline passes while it writes chunks with CancelledError
+            raise KvTransferError(f"KV push of {request_id!r} to {target} cancelled by gRPC", "CANCELLED",
+                                  "the push was cancelled (its deadline passed)") from None
 
     async def close(self) -> None:
         for channel in self._channels:

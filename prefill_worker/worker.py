@@ -61,6 +61,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
                 seq.prefill_end_ns - seq.prefill_start_ns, wall))
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        """The first token; then, while its KV goes to the decode worker, the stream stays open
+        (the KV lease) and ends with a ``kv_push_error`` message when the push failed. A caller
+        that goes away does not stop a push under way."""
         rid = request.request_id
         q = await admit_prompt(self.host, request, context)
         try:
@@ -72,24 +75,37 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             self.host.streams.close(rid)
         if isinstance(done, ErrorEvent):
             await context.abort(grpc.StatusCode.INTERNAL, done.message)
+        push = None
         if done.payload is not None:
-            task = asyncio.create_task(self._push(request.decode_address, done.payload))
-            self._pushes.add(task)
-            task.add_done_callback(self._pushes.discard)
+            push = asyncio.create_task(self._push(request.decode_address, done.payload))
+            self._pushes.add(push)
+            push.add_done_callback(self._pushes.discard)
         finish = FINISH_TO_PROTO[done.finish] if done.finish else generate_pb2.FINISH_REASON_UNSPECIFIED
-        return worker_pb2.PrefillResponse(first_token=done.token, finish_reason=finish, queue_ns=done.queue_ns,
-                                          prefill_ns=done.prefill_ns, first_token_unix_ns=done.first_token_unix_ns)
+        yield worker_pb2.PrefillResponse(first_token=done.token, finish_reason=finish, queue_ns=done.queue_ns,
+                                         prefill_ns=done.prefill_ns, first_token_unix_ns=done.first_token_unix_ns)
+        if push is not None:
+            failure = await asyncio.shield(push)
+            if failure is not None:
+                yield worker_pb2.PrefillResponse(kv_push_error=failure)
 
-    async def _push(self, target: str, payload: KvPayload) -> None:
-        """Serialize off the event loop, then stream to the decode worker. Failures are logged; the
-        decode side fails the request when its KV wait times out or the push is refused."""
+    async def _push(self, target: str, payload: KvPayload) -> worker_pb2.KvPushError | None:
+        """Serialize off the event loop, then stream to the decode worker at ``target``.
+
+        Returns None once the decode worker holds the KV, else why not (also logged): the push's
+        status code and reason, or INTERNAL when the KV could not be serialized.
+        """
         try:
             frame = await asyncio.to_thread(encode_kv, payload)
+        except Exception as exc:  # no push can deliver this payload
+            log.exception("the KV of request %r could not be serialized", payload.request_id)
+            return worker_pb2.KvPushError(code="INTERNAL", message=f"the KV could not be serialized: {exc!r}")
+        try:
             await self.kv_sender.send_kv(target, payload.request_id, frame)
-        except KvTransferError as exc:
+        except KvTransferError as exc:  # after a failure, let the tensor go: the call may still hold it
             log.warning("%s", exc)
-        else:  # the call is over: nothing reads the tensor any more (after a failure, let it go)
-            self.kv_buffers.give(payload.kv)
+            return worker_pb2.KvPushError(code=exc.code, message=exc.reason)
+        self.kv_buffers.give(payload.kv)  # the call is over: nothing reads the tensor any more
+        return None
 
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):

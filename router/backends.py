@@ -15,11 +15,11 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from pdserve.v1 import generate_pb2, worker_pb2
+from pdserve.router.kv_lease import LeaseLost, first_while_leased
 from pdserve.router.pool import WorkerPool
 from pdserve.router.validation import ValidatedRequest
 
-KV_TIMEOUT_S = 300.0  # decode's last-resort wait for a KV; a dead prefill worker is noticed at once instead
-KV_WATCH_S = 0.1  # how often the router checks the pushing prefill worker while decode waits
+KV_TIMEOUT_S = 300.0  # decode's last-resort wait for a KV; a lost KV lease (kv_lease.py) ends it at once instead
 MAX_MIGRATIONS = 2  # per request
 MIGRATION_WAIT_S = 4.0  # for a live worker to appear; an unsavable stream still ends within ~5 s
 ROUTE_WAIT_S = 10.0  # a new request waits this long (at most its deadline) for a pool that has no live worker
@@ -76,29 +76,9 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
                                "worker stream ended without a final message")
 
 
-async def _first_while_alive(events: AsyncIterator[WorkerEvent], pusher, decode_call) -> WorkerEvent:
-    """The decode stream's first event, unless the prefill worker pushing its KV dies first: then
-    the decode call is cancelled and UNAVAILABLE raised (migratable) at once, instead of decode
-    waiting out its KV timeout for a push that will never come."""
-    first = asyncio.ensure_future(anext(events))
-    try:
-        while True:
-            done, _ = await asyncio.wait([first], timeout=KV_WATCH_S)
-            if done:
-                return first.result()
-            if not pusher.healthy:
-                decode_call.cancel()
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           f"prefill worker {pusher.address} died before its KV reached decode")
-    finally:
-        if not first.done():
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
-
-
 def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
-    """A worker went away (UNAVAILABLE), or decode's wait for the KV ran out because the prefill
-    worker died after its first token, before its KV arrived."""
+    """A worker went away or a KV push could not reach decode (UNAVAILABLE), or decode's wait
+    for the KV ran out."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
         exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV cache arrived" in (exc.details() or ""))
 
@@ -127,7 +107,9 @@ class SplitBackend:
     prompt plus every token already streamed, and continues on a live decode worker; the sampler's
     step index continues too (``step_offset``), so the client's stream goes on with no duplicated
     or missing token and greedy or seeded output equals an undisturbed run. A prefill worker that
-    dies before the first token is retried the same way. Each request migrates at most
+    dies before the first token, or a KV lease lost before decode has the KV (kv_lease.py: its
+    prefill worker died, or its push could not reach decode), is retried the same way; a push that
+    failed otherwise ends the stream with an error naming the cause. Each request migrates at most
     ``MAX_MIGRATIONS`` times, waiting up to ``MIGRATION_WAIT_S`` for live workers; then the
     original error ends the stream.
     """
@@ -175,7 +157,7 @@ class SplitBackend:
         decode_call = decode_w.decode.Decode(
             worker_pb2.DecodeRequest(request_id=request_id, kv_timeout_s=KV_TIMEOUT_S), timeout=timeout)
         state.calls.append(decode_call)
-        current = decode_w  # whose call a failure comes from
+        current, prefill_call = decode_w, None  # whose call a failure comes from
         try:
             await decode_call.initial_metadata()  # the decode worker now waits for this request's KV
             t_prefill = time.monotonic_ns()
@@ -185,7 +167,10 @@ class SplitBackend:
             state.calls.append(prefill_call)
             try:
                 current = prefill_w
-                first = await prefill_call
+                first = await prefill_call.read()
+                if first is grpc.aio.EOF:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               "prefill stream ended without its first token")
                 current = decode_w
             finally:
                 prefill_w.outstanding_prefill_tokens -= n
@@ -202,15 +187,18 @@ class SplitBackend:
                 return timings
 
             events = _token_events(decode_call, final)
-            # until decode has the KV (its first event), the prefill worker that pushes it must live
-            yield await _first_while_alive(events, prefill_w, decode_call)
+            # until decode has the KV (its first event), the prefill call that pushes it holds the lease
+            yield await first_while_leased(events, decode_call, prefill_call, prefill_w, self.pool)
             async for ev in events:
                 yield ev
         except grpc.aio.AioRpcError as exc:
-            self.pool.call_failed(current, exc)
+            if not isinstance(exc, LeaseLost):
+                self.pool.call_failed(current, exc)
             raise
         finally:
             decode_call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()  # a push under way goes on (the prefill worker shields it)
             decode_w.active_requests -= 1
 
 

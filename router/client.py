@@ -8,7 +8,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from pdserve.engine.host.auth import API_KEY_ENV, client_channel
+from pdserve.engine.host.auth import API_KEY_ENV, SECRET_HEADER, client_channel
 from pdserve.engine.host.serving import GRPC_OPTIONS
 from pdserve.v1 import generate_pb2 as PB
 from pdserve.v1 import generate_pb2_grpc
@@ -113,5 +113,9 @@ class Client:
     async def abort(self, request_id: str) -> bool:
         return (await self.stub.Abort(PB.AbortRequest(request_id=request_id))).aborted
 
-    async def model_info(self) -> PB.ModelInfo:
-        return await self.stub.GetModelInfo(PB.GetModelInfoRequest())
+    async def model_info(self, cluster_secret: str | None = None) -> PB.ModelInfo:
+        """What the router serves. With the cluster's secret (``Cluster.secret``, or the
+        ``$PDSERVE_CLUSTER_SECRET`` the cluster was started with), the admin view: the model
+        folder and the worker addresses too; a wrong secret gets the plain view."""
+        metadata = ((SECRET_HEADER, cluster_secret),) if cluster_secret else None
+        return await self.stub.GetModelInfo(PB.GetModelInfoRequest(), metadata=metadata)

@@ -39,12 +39,15 @@ class RouterCore:
     """The model's tokenizer and limits, the worker pool, the requests in flight and the metrics.
 
     ``max_model_len`` is the smallest of the model's context, the configured limit and the tokens
-    the smallest worker KV cache holds: every request must fit all three.
+    the smallest worker KV cache holds: every request must fit all three. ``model_name`` is the id
+    clients see and send (default: the model folder's name; never a path).
     """
 
     def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None,
-                 metrics: RouterMetrics | None = None, api_keys: tuple[str, ...] = ()) -> None:
+                 metrics: RouterMetrics | None = None, api_keys: tuple[str, ...] = (),
+                 model_name: str | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.model_name = model_name or self.model_dir.name
         self.tokenizer = Tokenizer.from_folder(model_dir)
         cfg = ModelConfig.from_folder(model_dir)
         self.vocab_size = cfg.vocab_size
@@ -58,6 +61,16 @@ class RouterCore:
                         else SplitBackend(pool, self.metrics.migrations.inc))
         self.api_keys = api_keys  # empty: no authentication
         self.shutting_down = False
+
+    def model_info(self, admin: bool) -> PB.ModelInfo:
+        """What the router serves: the model's id and limits, every worker's role and health; the
+        model folder and the worker addresses only when ``admin``."""
+        return PB.ModelInfo(
+            model=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids), placement=self.pool.placement,
+            model_path=str(self.model_dir) if admin else "",
+            workers=[PB.WorkerInfo(role=w.role, healthy=w.healthy, address=w.address if admin else "")
+                     for w in self.pool.workers])
 
     def owner_of(self, metadata) -> int | None:
         """The index of the API key in ``metadata`` (gRPC metadata or HTTP headers as pairs)."""

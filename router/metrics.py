@@ -3,7 +3,7 @@ becomes ``pdserve:time_to_first_token_seconds``).
 
 Request metrics are observed by the router as each request's tokens arrive and when it ends;
 per-worker gauges are read from the pool's latest GetStats poll at scrape time (every 0.1 s). Labels
-are bounded sets: ``finish_reason`` (stop, length, abort, error), ``reason`` (invalid, unavailable, overloaded),
+are bounded sets: ``finish_reason`` (stop, length, abort, error), ``reason`` (``REJECT_REASONS``),
 ``role`` (prefill, decode, both) and ``worker`` (the worker's address). No request ids.
 Each registry belongs to one router, so several routers can live in one process.
 """
@@ -28,6 +28,10 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                240.0, 480.0, 960.0, 1920.0)
 BYTES_BUCKETS = tuple(float(x * 10 ** e) for e in range(3, 10) for x in (1, 2.5, 5))  # 1 kB .. 5 GB
 
+# why a call was refused before its first token: a bad request (INVALID_ARGUMENT, ALREADY_EXISTS; HTTP 400,
+# 404), no healthy worker (UNAVAILABLE), every worker at its bound (RESOURCE_EXHAUSTED; 429), no valid API
+# key (UNAUTHENTICATED; 401, on any method or route that wants one)
+REJECT_REASONS = ("invalid", "unavailable", "overloaded", "unauthenticated")
 FINISH_LABELS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
                  generate_pb2.FINISH_REASON_ABORT: "abort", generate_pb2.FINISH_REASON_ERROR: "error"}
 
@@ -93,12 +97,13 @@ class RouterMetrics:
                                   "Requests moved to live workers after theirs became unreachable (split).",
                                   registry=r)
         self.rejections = Counter("pdserve:requests_rejected",
-                                  "Requests refused before their first token (invalid: bad request; "
-                                  "unavailable: no healthy worker; overloaded: every worker at its bound).",
+                                  "Calls refused before their first token (invalid: bad request; "
+                                  "unavailable: no healthy worker; overloaded: every worker at its bound; "
+                                  "unauthenticated: missing or wrong API key).",
                                   ["reason"], registry=r)
         for label in FINISH_LABELS.values():  # every series exists from the start, at 0
             self.requests.labels(label)
-        for reason in ("invalid", "unavailable", "overloaded"):
+        for reason in REJECT_REASONS:
             self.rejections.labels(reason)
         r.register(_WorkerGauges(pool))
 
@@ -107,6 +112,10 @@ class RouterMetrics:
         (self.ttft if first else self.itl).observe(gap_ns / 1e9)
 
     def rejected(self, reason: str) -> None:
+        """One call refused for ``reason`` (one of REJECT_REASONS; ValueError otherwise, so the
+        label set stays bounded)."""
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}; one of {', '.join(REJECT_REASONS)}")
         self.rejections.labels(reason).inc()
 
     def finished(self, finish_reason: int, t0_ns: int, timings: generate_pb2.Timings | None) -> None:

@@ -48,10 +48,12 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def build_app(core: RouterCore, model_name: str) -> FastAPI:
-    """The FastAPI app over ``core``; ``model_name`` is the id clients send as ``model``."""
+def build_app(core: RouterCore) -> FastAPI:
+    """The FastAPI app over ``core``; ``core.model_name`` is the id clients see and send as ``model``
+    (the folder's path and name are accepted too, but never shown)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     chat_template = ChatTemplate.from_folder(core.model_dir)
+    model_name = core.model_name
     names = {model_name, str(core.model_dir), core.model_dir.name}
 
     async def read(request: Request, kind):
@@ -65,7 +67,7 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
 
     def unauthorized(request: Request) -> JSONResponse | None:
         if core.api_keys and core.owner_of(request.headers.items()) is None:
-            core.metrics.rejected("invalid")
+            core.metrics.rejected("unauthenticated")
             log.warning("refused %s %s: missing or wrong API key", request.method, request.url.path)
             return JSONResponse(error_body("missing or wrong API key (authorization: Bearer)", 401), status_code=401,
                                 headers={"www-authenticate": "Bearer"})  # RFC 6750
@@ -117,8 +119,8 @@ def build_app(core: RouterCore, model_name: str) -> FastAPI:
     async def chat_completions(request: Request):
         return await handle(request, "chat")
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve", "root": str(core.model_dir),
-            "max_model_len": core.max_model_len}
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve", "root": model_name,
+            "max_model_len": core.max_model_len}  # root: vLLM's field; the id here, never a path
 
     @app.get("/v1/models")
     async def models(request: Request):

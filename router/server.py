@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from pdserve.engine.host.auth import require_api_key
+from pdserve.engine.host.auth import carries_cluster_secret, cluster_secret, require_api_key
 from pdserve.engine.host.serving import start_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from pdserve.router.core import RequestRejected, RouterCore
@@ -52,11 +52,10 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
                                                         self.core.owner_of(context.invocation_metadata())))
 
     async def GetModelInfo(self, request, context) -> PB.ModelInfo:
-        core = self.core
-        return PB.ModelInfo(
-            model=str(core.model_dir), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
-            eos_token_ids=sorted(core.tokenizer.eos_token_ids), placement=core.pool.placement,
-            workers=[PB.WorkerInfo(role=w.role, address=w.address) for w in core.pool.workers if w.healthy])
+        """The admin view (model folder, worker addresses) only for a call carrying the cluster
+        secret; a router without one shows it to nobody."""
+        admin = carries_cluster_secret(context.invocation_metadata(), cluster_secret())
+        return self.core.model_info(admin)
 
 
 def _readiness(pool: WorkerPool, health_servicer):
@@ -103,7 +102,7 @@ class RunningRouter:
         await self.core.pool.close()
 
 
-async def start_http(core: RouterCore, model_name: str, host: str, port: int, tls: tuple[str, str] | None = None):
+async def start_http(core: RouterCore, host: str, port: int, tls: tuple[str, str] | None = None):
     """uvicorn serving the OpenAI API on this event loop; (server, task, bound port).
 
     OSError when the port cannot be bound."""
@@ -117,7 +116,7 @@ async def start_http(core: RouterCore, model_name: str, host: str, port: int, tl
             yield
 
     ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
-    config = uvicorn.Config(build_app(core, model_name), host=host, port=port, log_level="warning",
+    config = uvicorn.Config(build_app(core), host=host, port=port, log_level="warning",
                             lifespan="off", access_log=False, **ssl)
     server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
@@ -136,9 +135,11 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``both``) pool.
 
     ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
-    ``model_name``: the model id HTTP clients send (default: the model folder's name).
+    ``model_name``: the model id clients see and send (default: the model folder's name); give a
+    name, not a path (GetModelInfo and /v1/models show it to every client).
     ``api_keys``: when given, both APIs want ``authorization: Bearer <one of them>`` (else
-    UNAUTHENTICATED / HTTP 401); health, reflection and /metrics stay open.
+    UNAUTHENTICATED / HTTP 401, counted in ``pdserve:requests_rejected_total``); health,
+    reflection and /metrics stay open.
     ``max_requests_per_worker``: past it on every decode (colocated) worker, RESOURCE_EXHAUSTED
     (HTTP 429 with Retry-After); 0: no bound. ``tls``: (certificate chain file, private key file,
     both PEM) to serve both client-facing APIs over TLS (gRPC over TLS, HTTPS); internal calls stay
@@ -155,19 +156,20 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     except BaseException:
         await pool.close()
         raise
-    core = RouterCore(model_dir, pool, max_model_len, api_keys=tuple(api_keys))
+    core = RouterCore(model_dir, pool, max_model_len, api_keys=tuple(api_keys), model_name=model_name)
     health_servicer = health.aio.HealthServicer()
+    interceptors = ([require_api_key(core.api_keys, lambda: core.metrics.rejected("unauthenticated"))]
+                    if core.api_keys else None)
     server, bound = await start_server(
         [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), GENERATE_SERVICE)],
-        host, port, health_servicer, interceptors=[require_api_key(core.api_keys)] if core.api_keys else None,
+        host, port, health_servicer, interceptors=interceptors,
         tls=(Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None)
     pool.on_refresh.append(_readiness(pool, health_servicer))
     await pool.on_refresh[-1]()
     running = RunningRouter(core, server, f"{host}:{bound}")
     if http_port is not None:
         try:
-            running.http, running.http_task, http_bound = await start_http(
-                core, model_name or Path(model_dir).name, host, http_port, tls)
+            running.http, running.http_task, http_bound = await start_http(core, host, http_port, tls)
         except BaseException:
             await running.stop()
             raise

@@ -7,7 +7,8 @@ router and its workers.
 - **The cluster secret** (``$PDSERVE_CLUSTER_SECRET``; a cluster makes one and hands it to its
   actors): every internal call (prefill, decode, colocated, worker stats, KV push) carries it as
   ``x-pdserve-cluster-secret`` metadata, and a worker refuses calls without it, so a stranger on
-  the network can neither push KV nor read stats.
+  the network can neither push KV nor read stats. On the router it also opens the admin view of
+  ``GetModelInfo`` (the model folder and the worker addresses, which other callers never see).
 
 Health checking and reflection stay open (load balancers and grpcurl use them). Keys are compared
 in constant time and never logged.
@@ -90,29 +91,37 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
 class CheckMetadata(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call but health and reflection whose metadata ``allowed``
-    rejects; ``what`` names the credential in the error and the log."""
+    rejects; ``what`` names the credential in the error and the log, ``on_refused()`` runs once
+    per refused call (e.g. to count it)."""
 
-    def __init__(self, allowed: Callable[[tuple], bool], what: str) -> None:
+    def __init__(self, allowed: Callable[[tuple], bool], what: str,
+                 on_refused: Callable[[], None] | None = None) -> None:
         self.allowed, self.what = allowed, what
+        self.on_refused = on_refused or (lambda: None)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_SERVICES) or self.allowed(details.invocation_metadata):
             return handler
         log.warning("refused %s: missing or wrong %s", details.method, self.what)
+        self.on_refused()
         return _denied(handler, f"missing or wrong {self.what}")
 
 
-def require_api_key(keys: tuple[str, ...]) -> CheckMetadata:
-    return CheckMetadata(lambda md: key_index(keys, bearer(md)) is not None, "API key (authorization: Bearer)")
+def require_api_key(keys: tuple[str, ...], on_refused: Callable[[], None] | None = None) -> CheckMetadata:
+    return CheckMetadata(lambda md: key_index(keys, bearer(md)) is not None, "API key (authorization: Bearer)",
+                         on_refused)
+
+
+def carries_cluster_secret(metadata, secret: str | None) -> bool:
+    """Whether ``metadata`` (key, value pairs) carries ``secret`` as ``x-pdserve-cluster-secret``
+    (constant-time compare); always False when there is no secret."""
+    value = next((v for k, v in metadata or () if k == SECRET_HEADER), None)
+    return bool(secret) and isinstance(value, str) and hmac.compare_digest(value.encode(), secret.encode())
 
 
 def require_cluster_secret(secret: str) -> CheckMetadata:
-    def allowed(md) -> bool:
-        value = next((v for k, v in md or () if k == SECRET_HEADER), None)
-        return isinstance(value, str) and hmac.compare_digest(value.encode(), secret.encode())
-
-    return CheckMetadata(allowed, "cluster secret")
+    return CheckMetadata(lambda md: carries_cluster_secret(md, secret), "cluster secret")
 
 
 class _AddMetadata:

@@ -16,7 +16,17 @@ from pdserve.engine.kv.framing import DEFAULT_CHUNK_BYTES, FrameAssembler, iter_
 
 
 class KvTransferError(RuntimeError):
-    """A KV frame could not be delivered or was rejected by the receiving side."""
+    """A KV frame could not be delivered or was rejected by the receiving side.
+
+    ``code``: a gRPC status code name for why (the transport's, or the receiver's refusal;
+    "INTERNAL" by default); ``reason``: the cause in words without the target's address (default:
+    the message).
+    """
+
+    def __init__(self, message: str, code: str = "INTERNAL", reason: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = message if reason is None else reason
 
 
 @runtime_checkable

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 
 import pytest
 
-from pdserve.bench.cli import add_bench_parser, build_specs
+from pdserve.bench.cli import add_bench_parser, build_specs, tokenizer_folder
 from pdserve.bench.prompts import PromptPool, RandomPromptPool, make_prompt_pool
 from pdserve.bench.workload import fix_lengths, poisson_arrivals
 from pdserve.engine.text.tokenizer import Tokenizer
@@ -156,3 +157,13 @@ def test_parser_rejects_non_positive_lengths(flag, capsys):
     with pytest.raises(SystemExit):
         _bench_args(flag, "0")
     assert "must be >= 1" in capsys.readouterr().err
+
+
+# --- the tokenizer of the served model --------------------------------------------------------------
+
+def test_the_tokenizer_folder_comes_from_the_served_id_or_a_folder(embedded_dir):
+    assert Path(tokenizer_folder("embedded")) == embedded_dir  # pdserve serve --model embedded
+    assert tokenizer_folder(str(embedded_dir)) == str(embedded_dir)  # a vLLM-style root path
+    for served in ("test-model", "owner/name", "missing.gguf"):  # only a name: the folder must be given
+        with pytest.raises(SystemExit, match="pass --tokenizer"):
+            tokenizer_folder(served)

@@ -1,4 +1,4 @@
-"""API keys on the client-facing APIs; the cluster secret on every internal call."""
+"""API keys on the client-facing APIs; the cluster secret on every internal call and for the admin model info."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.host.auth import SECRET_ENV
 from pdserve.router.client import Client, make_request
@@ -45,7 +46,13 @@ async def test_api_keys_guard_both_apis_and_abort_is_per_key(embedded_dir, monke
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
             refused = await http.get("/v1/models")
             assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
-            assert (await http.get("/health")).status_code == 200 and (await http.get("/metrics")).status_code == 200
+            assert (await http.get("/health")).status_code == 200
+            metrics = await http.get("/metrics")
+        assert metrics.status_code == 200
+        rejected = {s.labels["reason"]: s.value for f in text_string_to_metric_families(metrics.text)
+                    if f.name == "pdserve:requests_rejected" for s in f.samples}
+        assert rejected["unauthenticated"] == 4  # two gRPC calls, two HTTP 401s
+        assert rejected["invalid"] == 0
         assert await pipe.wait_idle() == 0
 
 
@@ -66,6 +73,35 @@ async def test_internal_calls_need_the_cluster_secret(embedded_dir, monkeypatch)
                 await worker_pb2_grpc.DecodeServiceStub(ch).PushKv(iter([worker_pb2.KvChunk(data=b"x" * 64)]))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert await pipe.wait_idle() == 0
+
+
+async def test_model_info_shows_the_model_path_and_worker_addresses_only_to_an_admin(embedded_dir, monkeypatch):
+    secret = "cluster-secret-for-this-test"
+    monkeypatch.setenv(SECRET_ENV, secret)
+    async with local_pipeline(embedded_dir, "split", http=True) as pipe, Client(pipe.address) as client:
+        addresses = sorted(w.address for w in pipe.workers)
+        for view in (await client.model_info(), await client.model_info(cluster_secret="a-guess")):
+            assert view.model == "test-model" and view.model_path == "" and view.max_model_len > 0
+            assert sorted((w.role, w.healthy, w.address) for w in view.workers) == [("decode", True, ""),
+                                                                                    ("prefill", True, "")]
+            assert str(embedded_dir) not in str(view) and not any(a in str(view) for a in addresses)
+        admin = await client.model_info(cluster_secret=secret)
+        assert admin.model == "test-model" and admin.model_path == str(embedded_dir)
+        assert sorted(w.address for w in admin.workers) == addresses
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            models = (await http.get("/v1/models")).text
+        assert str(embedded_dir) not in models and "test-model" in models
+    monkeypatch.delenv(SECRET_ENV)  # a router without a cluster secret has no admin view
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        await pipe.workers[1].stop()  # the decode worker: its health shows, its address does not
+        for _ in range(100):
+            info = await client.model_info(cluster_secret=secret)
+            if not all(w.healthy for w in info.workers):
+                break
+            await asyncio.sleep(0.05)
+        assert info.model_path == ""
+        assert sorted((w.role, w.healthy, w.address) for w in info.workers) == [("decode", False, ""),
+                                                                                ("prefill", True, "")]
 
 
 def test_api_key_settings_that_would_leave_the_server_open_are_refused():

@@ -35,7 +35,8 @@ def datasets():
 async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placement):
     async with local_pipeline(embedded_dir, placement) as pipe:
         proc = await asyncio.create_subprocess_exec(
-            *PDSERVE, "bench", "--router", pipe.address, "--num-requests", "6", "--length-scale", "0.05",
+            *PDSERVE, "bench", "--router", pipe.address, "--tokenizer", str(embedded_dir), "--num-requests", "6",
+            "--length-scale", "0.05",
             "--slo-ttft-ms", "5000", "--slo-tpot-ms", "1000", "--out", str(tmp_path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out, _ = await asyncio.wait_for(proc.communicate(), 240)
@@ -83,7 +84,8 @@ async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
 async def test_bench_ctrl_c_writes_partial_results(embedded_dir, datasets, tmp_path):
     async with local_pipeline(embedded_dir, "split") as pipe:
         proc = await asyncio.create_subprocess_exec(
-            *PDSERVE, "bench", "--router", pipe.address, "--arrival", "poisson", "--num-requests", "200",
+            *PDSERVE, "bench", "--router", pipe.address, "--tokenizer", str(embedded_dir), "--arrival", "poisson",
+            "--num-requests", "200",
             "--rate", "8", "--length-scale", "10", "--max-output-tokens", "1900", "--max-input-tokens", "64",
             "--out", str(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
@@ -135,7 +137,7 @@ async def test_openai_backend_gives_the_grpc_token_counts(embedded_dir):
             info = await http_backend.info()
             by_http = await asyncio.wait_for(run_load(http_backend, specs), 60)
         assert await pipe.wait_idle() == 0
-    assert info.max_model_len > 0 and info.model == str(embedded_dir)
+    assert info.max_model_len > 0 and info.model == "test-model"  # the served id, never the folder's path
     for g, h in zip(by_grpc, by_http):
         assert g.ok and h.ok, (g.error, h.error)
         assert g.output_tokens == h.output_tokens == g.max_tokens

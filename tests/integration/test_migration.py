@@ -1,12 +1,17 @@
-"""A decode worker that dies mid-stream: the request moves to a live one and the client's stream
-goes on with no duplicated or missing token (split placement, 1 prefill + 2 decode workers)."""
+"""Migration and the KV lease (split placement): a decode worker that dies mid-stream moves the
+request to a live one and the client's stream goes on with no duplicated or missing token; a
+prefill worker that dies, or a KV push that fails, before decode has the KV ends the decode wait at
+once (a migration, or a clear error)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
+from pdserve.engine.host.auth import SECRET_ENV
+from pdserve.router.backends import MAX_MIGRATIONS
 from pdserve.router.client import Client, make_request
 from pdserve.v1 import generate_pb2 as PB
 from tests.integration._pipeline import local_pipeline
@@ -78,3 +83,70 @@ async def test_a_prefill_worker_that_dies_before_its_kv_arrives_is_noticed_at_on
         assert len(res.token_ids) == 1 and loop.time() - t < 10
         decode = pipe.workers[1].worker.engine
         assert decode.blocks.num_used == 0 and not decode.scheduler.has_work()
+
+
+
+async def test_a_kv_push_that_decode_never_sees_ends_the_decode_wait_at_once(embedded_dir, monkeypatch):
+    """Both workers alive, but the prefill worker's pushes carry a stale cluster secret, so the
+    decode worker's door refuses them before its PushKv handler (and the waiting Decode stream)
+    learns of them. The prefill worker says so on its Prefill stream and the router cancels the
+    decode wait at once: the client gets an INTERNAL error within a second or two (not after
+    decode's 300 s KV timeout), no worker leaves routing, and neither holds a KV block."""
+    monkeypatch.setenv(SECRET_ENV, "the-cluster-secret")
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        monkeypatch.setenv(SECRET_ENV, "a-stale-secret")  # read when the prefill worker first dials decode
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        res = await asyncio.wait_for(client.generate(make_request("Once upon a time", max_tokens=20)), 10)
+        assert loop.time() - t < 2.0
+        assert res.error.startswith("INTERNAL") and "did not reach the decode worker: UNAUTHENTICATED" in res.error
+        assert len(res.token_ids) == 1 and pipe.router.core.metrics.migrations._value.get() == 0
+        assert all(w.healthy for w in pipe.router.core.pool.workers)
+        monkeypatch.setenv(SECRET_ENV, "the-cluster-secret")  # for the test's own stats calls
+        assert await pipe.wait_idle() == 0
+        decode = pipe.workers[1].worker
+        assert decode.engine.blocks.num_used == 0 and not decode._pending
+
+
+async def test_a_kv_push_that_cannot_reach_decode_migrates_at_once(embedded_dir, monkeypatch):
+    """The decode worker is alive for the router but unreachable from the prefill worker (its
+    pushes dial a closed port, as across a network partition): each try's lease is lost at once and
+    the request migrates; with every try spent the client gets UNAVAILABLE within a second or two,
+    no worker has left routing, and no KV block stays used."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        sender = pipe.workers[0].worker.kv_sender
+        dial = sender._push_kv
+        monkeypatch.setattr(sender, "_push_kv", lambda target: dial(closed))
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        res = await asyncio.wait_for(client.generate(make_request("Once upon a time", max_tokens=20)), 10)
+        assert loop.time() - t < 2.0
+        assert res.error.startswith("UNAVAILABLE") and "did not reach the decode worker: UNAVAILABLE" in res.error
+        assert len(res.token_ids) == MAX_MIGRATIONS + 1  # each try's first token, then the error
+        assert pipe.router.core.metrics.migrations._value.get() == MAX_MIGRATIONS
+        assert all(w.healthy for w in pipe.router.core.pool.workers)
+        assert await pipe.wait_idle() == 0
+        monkeypatch.setattr(sender, "_push_kv", dial)
+        ok = await client.generate(make_request("hello again", max_tokens=4, ignore_eos=True))
+        assert len(ok.token_ids) == 4 and not ok.error
+
+
+async def test_a_deadline_that_passes_during_the_kv_push_migrates_nothing(embedded_dir):
+    """The request's own deadline ends its Prefill stream while the push hangs: the client gets
+    DEADLINE_EXCEEDED, and the router neither retries the request nor takes a worker out of routing."""
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        async def hanging_push(target, request_id, frame):
+            await asyncio.sleep(3600)
+
+        pipe.workers[0].worker.kv_sender.send_kv = hanging_push
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.generate(make_request("Once upon a time", max_tokens=20), timeout=1.0)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.5)  # the router's side of the same deadline
+        assert pipe.router.core.metrics.migrations._value.get() == 0
+        assert all(w.healthy for w in pipe.router.core.pool.workers) and not pipe.router.core.inflight

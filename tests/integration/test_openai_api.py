@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -176,7 +177,8 @@ async def test_metrics_health_and_models(embedded_dir):
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
             assert (await http.get("/health")).status_code == 200
             models = (await http.get("/v1/models")).json()
-            assert models["data"][0]["id"] == "test-model"
+            assert models["data"][0]["id"] == models["data"][0]["root"] == "test-model"
+            assert str(embedded_dir) not in json.dumps(models)  # no path for clients
             await asyncio.sleep(0.3)  # one stats poll
             text = (await http.get("/metrics")).text
         families = {f.name: f for f in text_string_to_metric_families(text)}

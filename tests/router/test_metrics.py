@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import generate_pb2
@@ -48,6 +49,16 @@ def test_observations_land_in_their_series():
     assert not any(name.endswith("_created") for name, _ in samples)
     labels = {k for (_, ls) in samples for k, _ in ls}
     assert labels <= {"le", "finish_reason", "reason", "role", "worker"}  # bounded: no request ids
+
+
+def test_rejection_reasons_are_a_bounded_set():
+    m = RouterMetrics(_Pool())
+    m.rejected("unauthenticated")
+    text = m.exposition().decode()
+    assert 'pdserve:requests_rejected_total{reason="unauthenticated"} 1.0' in text
+    assert 'pdserve:requests_rejected_total{reason="overloaded"} 0.0' in text
+    with pytest.raises(ValueError, match="unknown rejection reason"):
+        m.rejected("bad key")
 
 
 def test_two_routers_in_one_process_keep_their_own_counts():

@@ -71,7 +71,7 @@ class GenerateServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Describe the served model.
+        """Describe the served model (ModelInfo says what an admin sees besides).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,7 @@ class PrefillServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdserve.v1.PrefillService/Prefill',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
@@ -47,7 +47,10 @@ class PrefillServiceServicer:
     """
 
     def Prefill(self, request, context):
-        """Prefill a prompt; returns the first token; pushes the KV to the decode worker.
+        """Prefill a prompt and push its KV to the decode worker. The first message carries the first
+        token; the stream stays open until the push ended (the request's KV lease) and, when the push
+        failed, ends with a message that says why (kv_push_error). No message follows a first token
+        that finished the request (no KV is pushed then).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -56,7 +59,7 @@ class PrefillServiceServicer:
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
@@ -84,7 +87,7 @@ class PrefillService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
