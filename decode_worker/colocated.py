@@ -11,6 +11,7 @@ import asyncio
 import grpc
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.config import for_role
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.engine.host.worker_common import EngineHost, abort_quietly, admit_prompt, relay_tokens
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -49,7 +50,7 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0):
     """Build the engine (off the event loop) and serve ColocatedService + WorkerService."""
     from pdserve.engine.host.worker_common import serve_worker
 
-    engine = await asyncio.to_thread(Engine, cfg)
+    engine = await asyncio.to_thread(Engine, for_role(cfg, "both"))
     worker = ColocatedWorker(engine)
     return await serve_worker(worker, worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
                               "pdserve.v1.ColocatedService", host, port)

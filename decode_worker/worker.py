@@ -8,6 +8,7 @@ import time
 import grpc
 
 from pdserve.engine.engine import Engine, KvCacheFullError
+from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.scheduling.sequence import Sequence
@@ -154,7 +155,7 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float
     """
     from pdserve.engine.host.worker_common import serve_worker
 
-    engine = await asyncio.to_thread(Engine, cfg)
+    engine = await asyncio.to_thread(Engine, for_role(cfg, "decode"))
     worker = DecodeWorker(engine, kv_timeout_s)
     return await serve_worker(worker, worker_pb2_grpc.add_DecodeServiceServicer_to_server,
                               "pdserve.v1.DecodeService", host, port)

@@ -103,6 +103,24 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     return int(window)
 
 
+# Step token budgets by worker role when --max-num-batched-tokens is not given. Measured with 8
+# prompts of 256 tokens, llama-80m, bf16, 2 cores: budget 128 -> 2,238 prefill tok/s and 72 ms per
+# step; 256 -> 2,558 and 110 ms; 512 -> 2,601 and 209 ms; 2048 -> 2,929 and 699 ms. A colocated
+# worker interleaves decode, so each step is an inter-token gap: 256 keeps it near 110 ms for 13%
+# less prefill throughput. Prefill workers decode nothing: 2048 keeps throughput within 1% of whole-
+# prompt batches while a long prompt still cannot hold short ones back by more than one step.
+DEFAULT_TOKEN_BUDGET = {"both": 256, "prefill": 2048, "decode": 2048}
+
+
+def for_role(cfg: "EngineConfig", role: str) -> "EngineConfig":
+    """``cfg`` with ``role``'s default token budget (``DEFAULT_TOKEN_BUDGET``) unless one is set."""
+    from dataclasses import replace
+
+    if cfg.max_num_batched_tokens is not None:
+        return cfg
+    return replace(cfg, max_num_batched_tokens=DEFAULT_TOKEN_BUDGET[role])
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings shared by every role.
@@ -121,7 +139,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = None  # None: the role's default (``for_role``), 2048 outside a cluster
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
@@ -130,12 +148,17 @@ class EngineConfig:
     torch_threads: int | None = None
     attention_backend: str = "auto"
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute (``max_num_batched_tokens``, 2048 when unset)."""
+        return DEFAULT_TOKEN_BUDGET["prefill"] if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in ("auto", *KV_DTYPES):
             raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+        if self.max_num_seqs < 1 or self.token_budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -61,7 +61,7 @@ class Engine:
         self.runner = ModelRunner(cfg, self.model_dir)
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.token_budget,
                                    cfg.enable_chunked_prefill)
         self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings

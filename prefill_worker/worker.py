@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.engine import Engine, StepOutput
+from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
@@ -116,7 +117,7 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int
     from pdserve.engine.host.worker_common import serve_worker
     from pdserve.prefill_worker.kv_sender import GrpcKvSender
 
-    engine = await asyncio.to_thread(Engine, cfg)
+    engine = await asyncio.to_thread(Engine, for_role(cfg, "prefill"))
     worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
     return await serve_worker(worker, worker_pb2_grpc.add_PrefillServiceServicer_to_server,
                               "pdserve.v1.PrefillService", host, port)

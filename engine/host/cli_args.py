@@ -66,8 +66,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size in blocks (default: from --kv-cache-gib)")
     parser.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache memory per worker, GiB")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="max sequences per batch")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096,
-                        help="max tokens per prefill batch")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                        help="token budget of one step: prompts are cut into chunks to fit it beside the decoding "
+                             "sequences (default: 256 on colocated workers, so a prompt stalls decoding by about "
+                             "one 256-token forward; 2048 on prefill and decode workers). With "
+                             "--no-chunked-prefill, the most prompt tokens of one prefill batch")
+    parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                        help="prefill whole prompts in steps of their own (decode waits for them), as before "
+                             "chunked prefill; for comparison")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="do not keep full KV blocks for reuse by later requests with the same prefix")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
     parser.add_argument("--dtype", default="auto", choices=["auto", *KV_DTYPES],
                         help="auto: the checkpoint's dtype, but bfloat16 for a float32 checkpoint where the "
@@ -90,5 +98,6 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
     return EngineConfig(model=args.model or "embedded", block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=args.chunked_prefill, enable_prefix_caching=args.prefix_caching,
                         max_model_len=args.max_model_len, dtype=args.dtype, device=device,
                         torch_threads=args.threads, attention_backend=args.attention_backend)

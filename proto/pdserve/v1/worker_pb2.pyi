@@ -108,7 +108,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint")
+    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint", "cached_kv_blocks", "prefix_query_tokens", "prefix_hit_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,9 @@ class WorkerStats(_message.Message):
     OUTSTANDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_AWAITING_KV_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_waiting: int
     num_running: int
@@ -127,7 +130,10 @@ class WorkerStats(_message.Message):
     outstanding_prefill_tokens: int
     num_awaiting_kv: int
     model_fingerprint: str
-    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    cached_kv_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
