@@ -138,3 +138,29 @@ async def test_smollm2_chat_prompts_match_transformers(smollm2_dir, placement):
             assert res.token_ids == hf_greedy(smollm2_dir, prompt_ids, 20)
         assert "Paris" in results[0].text
         assert await pipe.wait_idle() == 0
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("budget", [16, 37])
+async def test_chunked_prefill_and_prefix_reuse_match_transformers(embedded_dir, placement, budget):
+    """Budgets that cut prompts at block boundaries (16 = block_size) and off them (37), with
+    decodes running beside the chunks; then the same prompts again, served from the prefix cache."""
+    from pdserve.engine.host.auth import internal_channel
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    tok = Tokenizer.from_folder(embedded_dir)
+    ids = [tok.encode(p) for p in mixed_prompts()]
+    async with local_pipeline(embedded_dir, placement, max_num_batched_tokens=budget) as pipe, \
+            Client(pipe.address) as client:
+        for _ in range(2):
+            results = await asyncio.gather(*[
+                client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids])
+            for prompt_ids, res in zip(ids, results):
+                assert res.token_ids == hf_greedy(embedded_dir, prompt_ids, 24), tok.decode(prompt_ids)
+        assert await pipe.wait_idle() == 0
+        prefilling = pipe.workers[0]  # the prefill worker, or the colocated one
+        async with internal_channel(prefilling.address, None) as ch:
+            stats = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+        reusable = sum((len(i) - 1) // 16 * 16 for i in ids)  # full blocks before each prompt's last token
+        assert reusable > 100 and stats.prefix_hit_tokens >= reusable, "the second pass did not reuse its prefixes"
+        assert stats.prefix_query_tokens >= 2 * sum(len(i) for i in ids)
