@@ -22,15 +22,15 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
 
     role = "both"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, host: EngineHost | None = None) -> None:
         self.engine = engine
-        self.host = EngineHost(engine)
+        self.host = host or EngineHost(engine)  # a decode worker shares its own (conditional disaggregation)
 
     @staticmethod
     def _timings(seq: Sequence, end_ns: int) -> generate_pb2.Timings:
         return generate_pb2.Timings(queue_ns=seq.prefill_start_ns - seq.arrival_ns,
                                     prefill_ns=seq.prefill_end_ns - seq.prefill_start_ns,
-                                    decode_ns=end_ns - seq.prefill_end_ns)
+                                    decode_ns=end_ns - seq.prefill_end_ns, cached_prompt_tokens=seq.num_cached_tokens)
 
     async def Generate(self, request: worker_pb2.ColocatedRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id

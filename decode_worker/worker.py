@@ -149,13 +149,20 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float = 30.0):
-    """Build the engine (off the event loop) and serve DecodeService + WorkerService.
+    """Build the engine (off the event loop) and serve DecodeService + WorkerService, and
+    ColocatedService on the same engine for requests the router has it prefill itself
+    (conditional disaggregation).
 
     Returns a ``pdserve.engine.host.worker_common.RunningWorker``; ``port=0`` picks a free port.
     """
     from pdserve.engine.host.worker_common import serve_worker
 
     engine = await asyncio.to_thread(Engine, for_role(cfg, "decode"))
+    from pdserve.decode_worker.colocated import ColocatedWorker
+
     worker = DecodeWorker(engine, kv_timeout_s)
+    local = ColocatedWorker(engine, worker.host)
     return await serve_worker(worker, worker_pb2_grpc.add_DecodeServiceServicer_to_server,
-                              "pdserve.v1.DecodeService", host, port)
+                              "pdserve.v1.DecodeService", host, port,
+                              ((worker_pb2_grpc.add_ColocatedServiceServicer_to_server, local,
+                                "pdserve.v1.ColocatedService"),))

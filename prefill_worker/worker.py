@@ -31,6 +31,7 @@ class PrefillDone:
     queue_ns: int
     prefill_ns: int
     first_token_unix_ns: int
+    cached_prompt_tokens: int = 0
 
 
 class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
@@ -59,7 +60,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
                 payload.first_token_unix_ns = wall
             self.host.streams.put(seq.request_id, PrefillDone(
                 out.token, seq.finish_reason, payload, seq.prefill_start_ns - seq.arrival_ns,
-                seq.prefill_end_ns - seq.prefill_start_ns, wall))
+                seq.prefill_end_ns - seq.prefill_start_ns, wall, seq.num_cached_tokens))
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         """The first token; then, while its KV goes to the decode worker, the stream stays open
@@ -83,7 +84,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             push.add_done_callback(self._pushes.discard)
         finish = FINISH_TO_PROTO[done.finish] if done.finish else generate_pb2.FINISH_REASON_UNSPECIFIED
         yield worker_pb2.PrefillResponse(first_token=done.token, finish_reason=finish, queue_ns=done.queue_ns,
-                                         prefill_ns=done.prefill_ns, first_token_unix_ns=done.first_token_unix_ns)
+                                         prefill_ns=done.prefill_ns, first_token_unix_ns=done.first_token_unix_ns,
+                                         cached_prompt_tokens=done.cached_prompt_tokens)
         if push is not None:
             failure = await asyncio.shield(push)
             if failure is not None:

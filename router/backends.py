@@ -16,7 +16,7 @@ import grpc
 
 from pdserve.v1 import generate_pb2, worker_pb2
 from pdserve.router.kv_lease import LeaseLost, first_while_leased
-from pdserve.router.pool import WorkerPool
+from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.validation import ValidatedRequest
 
 KV_TIMEOUT_S = 300.0  # decode's last-resort wait for a KV; a lost KV lease (kv_lease.py) ends it at once instead
@@ -112,11 +112,18 @@ class SplitBackend:
     failed otherwise ends the stream with an error naming the cause. Each request migrates at most
     ``MAX_MIGRATIONS`` times, waiting up to ``MIGRATION_WAIT_S`` for live workers; then the
     original error ends the stream.
+
+    **Conditional disaggregation** (Dynamo's and llm-d's rule): when the part of the prompt that the
+    chosen decode worker does not hold in its prefix cache is at most ``local_prefill_tokens``
+    (0: never), the decode worker prefills it itself and no KV moves; the request's timings say
+    so (``prefilled_on_decode``).
     """
 
-    def __init__(self, pool: WorkerPool, on_migrate: Callable[[], None] | None = None) -> None:
+    def __init__(self, pool: WorkerPool, on_migrate: Callable[[], None] | None = None,
+                 local_prefill_tokens: int = 0) -> None:
         self.pool = pool
         self.on_migrate = on_migrate or (lambda: None)
+        self.local_prefill_tokens = local_prefill_tokens
 
     async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
                      timeout: float | None) -> AsyncIterator[WorkerEvent]:
@@ -148,8 +155,16 @@ class SplitBackend:
         prompt = list(req.prompt_token_ids) + produced
         request_id = req.request_id if attempt == 0 else f"{req.request_id}#migrated{attempt}"
         await wait_for_workers(self.pool, _route_wait(timeout))
-        prefill_w, decode_w = self.pool.pick_prefill(), self.pool.pick_decode()
-        n = len(prompt)
+        n, hashes = len(prompt), self.pool.prefix_of(prompt)
+        decode_w = self.pool.pick_decode(n, hashes)
+        if n - self.pool.cached_tokens(decode_w, n, hashes) <= self.local_prefill_tokens:
+            async for ev in colocated_stream(self.pool, decode_w, request_id, prompt, sampling, state, t0_ns, timeout,
+                                             on_decode=True):
+                yield ev
+            return
+        prefill_w = self.pool.pick_prefill(n, hashes)
+        self.pool.served(prefill_w, prompt)
+        self.pool.served(decode_w, prompt)
         prefill_w.outstanding_prefill_tokens += n
         prefill_w.active_requests += 1
         decode_w.active_requests += 1
@@ -175,7 +190,8 @@ class SplitBackend:
             finally:
                 prefill_w.outstanding_prefill_tokens -= n
                 prefill_w.active_requests -= 1
-            timings = generate_pb2.Timings(queue_ns=t_prefill - t0_ns + first.queue_ns, prefill_ns=first.prefill_ns)
+            timings = generate_pb2.Timings(queue_ns=t_prefill - t0_ns + first.queue_ns, prefill_ns=first.prefill_ns,
+                                           cached_prompt_tokens=first.cached_prompt_tokens)
             if first.finish_reason:
                 yield WorkerEvent([first.first_token], first.finish_reason, timings)
                 return
@@ -202,6 +218,46 @@ class SplitBackend:
             decode_w.active_requests -= 1
 
 
+async def colocated_stream(pool: WorkerPool, w: WorkerHandle, request_id: str, prompt: list[int],
+                           sampling: worker_pb2.ResolvedSampling, state: RequestState, t0_ns: int,
+                           timeout: float | None, on_decode: bool = False) -> AsyncIterator[WorkerEvent]:
+    """Both phases of a request on ``w`` through ColocatedService: a colocated worker, or
+    (``on_decode``) a decode worker prefilling a short prompt itself."""
+    n = len(prompt)
+    w.outstanding_prefill_tokens += n
+    w.active_requests += 1
+    t_send = time.monotonic_ns()
+    call = w.colocated.Generate(worker_pb2.ColocatedRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=timeout)
+    state.calls.append(call)
+    prefilled = False
+    produced: list[int] = []
+
+    def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
+        timings = generate_pb2.Timings()
+        timings.CopyFrom(worker)
+        timings.queue_ns += t_send - t0_ns
+        timings.prefilled_on_decode = on_decode
+        return timings
+
+    try:
+        async for ev in _token_events(call, final):
+            if not prefilled:
+                prefilled = True
+                w.outstanding_prefill_tokens -= n
+            produced += ev.token_ids
+            yield ev
+    except grpc.aio.AioRpcError as exc:
+        pool.call_failed(w, exc)
+        raise
+    finally:
+        call.cancel()
+        if not prefilled:
+            w.outstanding_prefill_tokens -= n
+        w.active_requests -= 1
+        pool.served(w, prompt + produced[:-1])  # the last token's KV is never written
+
+
 class ColocatedBackend:
     """One worker of the colocated pool runs both phases."""
 
@@ -211,34 +267,7 @@ class ColocatedBackend:
     async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
                      timeout: float | None) -> AsyncIterator[WorkerEvent]:
         await wait_for_workers(self.pool, _route_wait(timeout))
-        w = self.pool.pick_colocated()
-        n = len(req.prompt_token_ids)
-        w.outstanding_prefill_tokens += n
-        w.active_requests += 1
-        t_send = time.monotonic_ns()
-        call = w.colocated.Generate(worker_pb2.ColocatedRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling),
-            timeout=timeout)
-        state.calls.append(call)
-        prefilled = False
-
-        def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
-            timings = generate_pb2.Timings()
-            timings.CopyFrom(worker)
-            timings.queue_ns += t_send - t0_ns
-            return timings
-
-        try:
-            async for ev in _token_events(call, final):
-                if not prefilled:
-                    prefilled = True
-                    w.outstanding_prefill_tokens -= n
-                yield ev
-        except grpc.aio.AioRpcError as exc:
-            self.pool.call_failed(w, exc)
-            raise
-        finally:
-            call.cancel()
-            if not prefilled:
-                w.outstanding_prefill_tokens -= n
-            w.active_requests -= 1
+        prompt = list(req.prompt_token_ids)
+        w = self.pool.pick_colocated(len(prompt), self.pool.prefix_of(prompt))
+        async for ev in colocated_stream(self.pool, w, req.request_id, prompt, req.sampling, state, t0_ns, timeout):
+            yield ev

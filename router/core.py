@@ -41,11 +41,13 @@ class RouterCore:
     ``max_model_len`` is the smallest of the model's context, the configured limit and the tokens
     the smallest worker KV cache holds: every request must fit all three. ``model_name`` is the id
     clients see and send (default: the model folder's name; never a path).
+    ``local_prefill_tokens``: split placement prefills on the decode worker when at most this many
+    prompt tokens are not in its prefix cache (``SplitBackend``; 0: never).
     """
 
     def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None,
                  metrics: RouterMetrics | None = None, api_keys: tuple[str, ...] = (),
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, local_prefill_tokens: int = 0) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.tokenizer = Tokenizer.from_folder(model_dir)
@@ -58,7 +60,7 @@ class RouterCore:
         self.inflight: dict[str, RequestState] = {}
         self.metrics = metrics or RouterMetrics(pool)
         self.backend = (ColocatedBackend(pool) if pool.placement == "colocated"
-                        else SplitBackend(pool, self.metrics.migrations.inc))
+                        else SplitBackend(pool, self.metrics.migrations.inc, local_prefill_tokens))
         self.api_keys = api_keys  # empty: no authentication
         self.shutting_down = False
 
@@ -152,7 +154,7 @@ class RouterCore:
             self.inflight.pop(req.request_id, None)
         rest = "" if detok.stopped or finish == PB.FINISH_REASON_ABORT else detok.finish()
         timings.total_ns = time.monotonic_ns() - t0
-        self.metrics.finished(finish, t0, timings)
+        self.metrics.finished(finish, t0, timings, usage.prompt_tokens)
         yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,
                                                        timings=timings, request_id=req.request_id))
 

@@ -101,6 +101,12 @@ class RouterMetrics:
                                   "unavailable: no healthy worker; overloaded: every worker at its bound; "
                                   "unauthenticated: missing or wrong API key).",
                                   ["reason"], registry=r)
+        self.prefilled_on_decode = Counter(
+            "pdserve:requests_prefilled_on_decode",
+            "Split placement: requests the decode worker prefilled itself (conditional disaggregation).", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "pdserve:prompt_tokens_cached", "Prompt tokens whose KV came from a worker's prefix cache.", registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of requests that completed.", registry=r)
         for label in FINISH_LABELS.values():  # every series exists from the start, at 0
             self.requests.labels(label)
         for reason in REJECT_REASONS:
@@ -118,8 +124,10 @@ class RouterMetrics:
             raise ValueError(f"unknown rejection reason {reason!r}; one of {', '.join(REJECT_REASONS)}")
         self.rejections.labels(reason).inc()
 
-    def finished(self, finish_reason: int, t0_ns: int, timings: generate_pb2.Timings | None) -> None:
-        """A request received at ``t0_ns`` ended; ``timings`` (when it completed) gives its phases."""
+    def finished(self, finish_reason: int, t0_ns: int, timings: generate_pb2.Timings | None,
+                 prompt_tokens: int = 0) -> None:
+        """A request received at ``t0_ns`` ended; ``timings`` (when it completed) gives its phases
+        and ``prompt_tokens`` its prompt's length."""
         self.requests.labels(FINISH_LABELS.get(finish_reason, "error")).inc()
         self.e2e.observe((time.monotonic_ns() - t0_ns) / 1e9)
         if timings is None or finish_reason == generate_pb2.FINISH_REASON_ABORT:
@@ -127,6 +135,10 @@ class RouterMetrics:
         self.queue.observe(timings.queue_ns / 1e9)
         self.prefill.observe(timings.prefill_ns / 1e9)
         self.decode.observe(timings.decode_ns / 1e9)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(timings.cached_prompt_tokens)
+        if timings.prefilled_on_decode:
+            self.prefilled_on_decode.inc()
         if timings.kv_transfer_bytes:
             self.kv_time.observe(timings.kv_transfer_ns / 1e9)
             self.kv_bytes.observe(timings.kv_transfer_bytes)

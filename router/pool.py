@@ -11,11 +11,18 @@ import grpc
 
 from pdserve.engine.host.auth import internal_channel
 from pdserve.engine.host.serving import GRPC_OPTIONS
+from pdserve.engine.scheduling.prefix_hash import BlockHash, prefix_hashes
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.1
 UNHEALTHY_AFTER_FAILURES = 3  # consecutive failed polls before a worker leaves the routing set
+ROUTING_POLICIES = ("least-loaded", "prefix-aware")
+# Decode picks follow the cached prefix unless load is this uneven (SGLang's cache-aware router's
+# rule: both an absolute and a relative gap in requests held).
+BALANCE_ABS_REQUESTS = 8
+BALANCE_REL = 1.5
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -76,17 +83,29 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """Workers by role plus the policies:
+    """Workers by role plus the routing policies (``routing``):
 
-    - prefill: least outstanding prefill tokens (ties: fewer active requests);
-    - decode: most free KV blocks (ties: fewer active requests);
-    - colocated ("both"): least outstanding prefill tokens, then fewest active requests.
+    ``least-loaded``:
+      - prefill: least outstanding prefill tokens (ties: fewer active requests);
+      - decode: most free KV blocks (ties: fewer active requests);
+      - colocated ("both"): least outstanding prefill tokens, then fewest active requests.
+    ``prefix-aware`` (the default) keeps a ``PrefixIndex`` of the blocks each worker was sent:
+      - prefill and colocated: the least tokens to compute before this request's first token, its
+        queue plus its prompt minus the prefix the worker holds (Dynamo's KV router's cost, in
+        tokens), so a held prefix wins until the worker's queue outweighs it;
+      - decode: the worker holding the longest prefix, unless the requests held differ by more than
+        ``BALANCE_ABS_REQUESTS`` and ``BALANCE_REL`` times, then the least-loaded (SGLang's rule).
 
     ``max_requests_per_worker`` (0: none) bounds the requests a decode or colocated worker holds;
     past it on every worker, a new request is refused (Overloaded) instead of queuing without end.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], both: list[str], max_requests_per_worker: int = 0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str], max_requests_per_worker: int = 0,
+                 routing: str = "prefix-aware") -> None:
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {routing!r}; choose {' or '.join(ROUTING_POLICIES)}")
+        self.routing = routing
+        self.prefix = PrefixIndex()
         self.workers = ([WorkerHandle.connect("prefill", a) for a in prefill]
                         + [WorkerHandle.connect("decode", a) for a in decode]
                         + [WorkerHandle.connect("both", a) for a in both])
@@ -116,8 +135,28 @@ class WorkerPool:
         needed = ("both",) if self.placement == "colocated" else ("prefill", "decode")
         return [r for r in needed if not any(w.role == r and w.healthy for w in self.workers)]
 
-    def pick_prefill(self) -> WorkerHandle:
-        return min(self._candidates("prefill"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
+    @property
+    def block_size(self) -> int:
+        return next((w.block_size for w in self.workers if w.block_size), 16)
+
+    def prefix_of(self, token_ids: list[int]) -> list[BlockHash]:
+        """Names of the prompt's full blocks ([] under least-loaded routing: nothing is indexed)."""
+        return prefix_hashes(token_ids, self.block_size) if self.routing == "prefix-aware" else []
+
+    def cached_tokens(self, w: WorkerHandle, n: int, hashes: list[BlockHash]) -> int:
+        """Prompt tokens of ``n`` that ``w`` is believed to hold (never the last one: it is computed;
+        0 when ``hashes`` is empty, as under least-loaded routing)."""
+        return min(self.prefix.overlap(w.address, hashes) * self.block_size, (n - 1) // self.block_size * self.block_size)
+
+    def _pick_by_tokens(self, ws: list[WorkerHandle], n: int, hashes: list[BlockHash]) -> WorkerHandle:
+        if not hashes:
+            return min(ws, key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
+        return min(ws, key=lambda w: (w.outstanding_prefill_tokens + n - self.cached_tokens(w, n, hashes),
+                                      w.active_requests))
+
+    def pick_prefill(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
+        """The prefill worker for an ``n``-token prompt whose full blocks are named ``hashes``."""
+        return self._pick_by_tokens(self._candidates("prefill"), n, list(hashes))
 
     def _with_room(self, role: str) -> list[WorkerHandle]:
         """Healthy workers of ``role`` below the request bound; Overloaded when there is none."""
@@ -129,12 +168,26 @@ class WorkerPool:
                              f"retry in {Overloaded.retry_after_s:g}s")
         return room
 
-    def pick_decode(self) -> WorkerHandle:
-        return max(self._with_room("decode"),
-                   key=lambda w: (w.free_kv_blocks - w.routed_blocks_since_poll, -w.active_requests))
+    def pick_decode(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
+        """The decode worker for an ``n``-token prompt (see the class docstring)."""
+        ws = self._with_room("decode")
+        by_room = max(ws, key=lambda w: (w.free_kv_blocks - w.routed_blocks_since_poll, -w.active_requests))
+        if not hashes or len(ws) == 1:
+            return by_room
+        loads = [w.active_requests for w in ws]
+        if max(loads) - min(loads) > BALANCE_ABS_REQUESTS and max(loads) > BALANCE_REL * min(loads):
+            return min(ws, key=lambda w: (w.active_requests, -(w.free_kv_blocks - w.routed_blocks_since_poll)))
+        best = max(ws, key=lambda w: (self.cached_tokens(w, n, list(hashes)), w is by_room, -w.active_requests))
+        return best if self.cached_tokens(best, n, list(hashes)) else by_room
 
-    def pick_colocated(self) -> WorkerHandle:
-        return min(self._with_room("both"), key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
+    def pick_colocated(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
+        """The colocated worker for an ``n``-token prompt (see the class docstring)."""
+        return self._pick_by_tokens(self._with_room("both"), n, list(hashes))
+
+    def served(self, w: WorkerHandle, token_ids: list[int]) -> None:
+        """``w`` computed (or was sent) the KV of ``token_ids``: index its full blocks."""
+        if self.routing == "prefix-aware":
+            self.prefix.add(w.address, prefix_hashes(token_ids, self.block_size))
 
     async def refresh(self) -> None:
         """Poll every worker's GetStats once; a failing worker is marked unhealthy until it answers."""
@@ -160,6 +213,7 @@ class WorkerPool:
     async def replace(self, old: str, new: str, role: str) -> None:
         """The worker that served at ``old`` (dead) now serves at ``new``: route to it from now on."""
         fresh = WorkerHandle.connect(role, new)
+        self.prefix.forget(old)  # a restarted worker's cache is empty
         for i, w in enumerate(self.workers):
             if w.address == old:
                 self.workers[i] = fresh

@@ -131,7 +131,8 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
                 host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None,
                 http_port: int | None = None, model_name: str | None = None,
                 api_keys: tuple[str, ...] = (), max_requests_per_worker: int = 0,
-                tls: tuple[str, str] | None = None) -> RunningRouter:
+                tls: tuple[str, str] | None = None, routing: str = "prefix-aware",
+                local_prefill_tokens: int = 0) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``both``) pool.
 
     ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
@@ -144,19 +145,22 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     (HTTP 429 with Retry-After); 0: no bound. ``tls``: (certificate chain file, private key file,
     both PEM) to serve both client-facing APIs over TLS (gRPC over TLS, HTTPS); internal calls stay
     on the cluster's own channels. OSError when a file cannot be read.
+    ``routing``: ``prefix-aware`` or ``least-loaded`` (``WorkerPool``); ``local_prefill_tokens``:
+    see ``RouterCore``.
     ValueError when the pool is neither split nor colocated; OSError when a port cannot be bound.
     """
     if both and (prefill or decode):
         raise ValueError("give either prefill + decode workers (split) or colocated workers, not both")
     if not both and not (prefill and decode):
         raise ValueError("split placement needs at least one prefill and one decode worker")
-    pool = WorkerPool(list(prefill), list(decode), list(both), max_requests_per_worker)
+    pool = WorkerPool(list(prefill), list(decode), list(both), max_requests_per_worker, routing)
     try:
         await pool.start()
     except BaseException:
         await pool.close()
         raise
-    core = RouterCore(model_dir, pool, max_model_len, api_keys=tuple(api_keys), model_name=model_name)
+    core = RouterCore(model_dir, pool, max_model_len, api_keys=tuple(api_keys), model_name=model_name,
+                      local_prefill_tokens=local_prefill_tokens)
     health_servicer = health.aio.HealthServicer()
     interceptors = ([require_api_key(core.api_keys, lambda: core.metrics.rejected("unauthenticated"))]
                     if core.api_keys else None)

@@ -169,8 +169,10 @@ class RunningWorker:
         await self.worker.host.stop()
 
 
-async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int) -> RunningWorker:
-    """Start ``worker.host`` and a gRPC server with the role service + WorkerService.
+async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int,
+                       extra_services: tuple = ()) -> RunningWorker:
+    """Start ``worker.host`` and a gRPC server with the role service + WorkerService (+ any
+    ``extra_services``, (add_servicer, servicer, service name) triples sharing the same engine).
 
     ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes. With a
     cluster secret in the environment (``auth.SECRET_ENV``), calls without it are UNAUTHENTICATED.
@@ -183,6 +185,7 @@ async def serve_worker(worker, add_role_servicer, role_service: str, host: str, 
     stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)
     server, bound = await start_server([
         (add_role_servicer, worker, role_service),
+        *extra_services,
         (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
     ], host, port, interceptors=[require_cluster_secret(secret)] if secret else None)
     return RunningWorker(worker, server, f"{host}:{bound}")

@@ -88,7 +88,7 @@ async def test_health_and_reflection_on_every_server(embedded_dir):
     common = {"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
               "grpc.reflection.v1alpha.ServerReflection"}
     expected = [{"pdserve.v1.GenerateService"}, {"pdserve.v1.PrefillService", "pdserve.v1.WorkerService"},
-                {"pdserve.v1.DecodeService", "pdserve.v1.WorkerService"}]
+                {"pdserve.v1.DecodeService", "pdserve.v1.ColocatedService", "pdserve.v1.WorkerService"}]
     async with local_pipeline(embedded_dir, "split") as pipe:
         for address, services in zip([pipe.address] + [w.address for w in pipe.workers], expected):
             async with grpc.aio.insecure_channel(address) as ch:

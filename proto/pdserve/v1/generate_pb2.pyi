@@ -69,20 +69,24 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ns", "prefill_ns", "kv_transfer_ns", "decode_ns", "total_ns", "kv_transfer_bytes")
+    __slots__ = ("queue_ns", "prefill_ns", "kv_transfer_ns", "decode_ns", "total_ns", "kv_transfer_bytes", "prefilled_on_decode", "cached_prompt_tokens")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_ON_DECODE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     prefill_ns: int
     kv_transfer_ns: int
     decode_ns: int
     total_ns: int
     kv_transfer_bytes: int
-    def __init__(self, queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., kv_transfer_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    prefilled_on_decode: bool
+    cached_prompt_tokens: int
+    def __init__(self, queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., kv_transfer_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., prefilled_on_decode: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "usage", "text", "timings", "request_id")

@@ -38,20 +38,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "finish_reason", "queue_ns", "prefill_ns", "first_token_unix_ns", "kv_push_error")
+    __slots__ = ("first_token", "finish_reason", "queue_ns", "prefill_ns", "first_token_unix_ns", "kv_push_error", "cached_prompt_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     finish_reason: _generate_pb2.FinishReason
     queue_ns: int
     prefill_ns: int
     first_token_unix_ns: int
     kv_push_error: KvPushError
-    def __init__(self, first_token: _Optional[int] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., kv_push_error: _Optional[_Union[KvPushError, _Mapping]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., kv_push_error: _Optional[_Union[KvPushError, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KvPushError(_message.Message):
     __slots__ = ("code", "message")
