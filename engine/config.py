@@ -110,15 +110,18 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 # less prefill throughput. Prefill workers decode nothing: 2048 keeps throughput within 1% of whole-
 # prompt batches while a long prompt still cannot hold short ones back by more than one step.
 DEFAULT_TOKEN_BUDGET = {"both": 256, "prefill": 2048, "decode": 2048}
+UNCHUNKED_TOKEN_BUDGET = 4096
 
 
 def for_role(cfg: "EngineConfig", role: str) -> "EngineConfig":
-    """``cfg`` with ``role``'s default token budget (``DEFAULT_TOKEN_BUDGET``) unless one is set."""
+    """``cfg`` with ``role``'s default token budget (``DEFAULT_TOKEN_BUDGET``) unless one is set;
+    without chunked prefill, the prefill batch bound of before (``UNCHUNKED_TOKEN_BUDGET``)."""
     from dataclasses import replace
 
     if cfg.max_num_batched_tokens is not None:
         return cfg
-    return replace(cfg, max_num_batched_tokens=DEFAULT_TOKEN_BUDGET[role])
+    budget = DEFAULT_TOKEN_BUDGET[role] if cfg.enable_chunked_prefill else UNCHUNKED_TOKEN_BUDGET
+    return replace(cfg, max_num_batched_tokens=budget)
 
 
 @dataclass(frozen=True)
