@@ -7,6 +7,9 @@ OpenAI backend come from the response's ``usage``; each SSE event counts as the 
 token (tokens a server delivers in one event share its arrival time, as in vLLM's
 ``benchmark_serving``), extra events (a final one with no new token) are dropped and missing ones
 take the last event's time.
+
+``prefix_counters()`` reads every worker's prefix-cache counters (pdserve's gRPC API with the cluster
+secret only), before and after a run, for the per-worker hit rate.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Protocol
 import grpc
 import httpx
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.metrics import RequestRecord, WorkerPrefixCounters
 from pdserve.bench.workload import RequestSpec
+from pdserve.engine.host.auth import cluster_secret, internal_channel
 from pdserve.router.client import FINISH_NAMES, Client, make_request
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
 @dataclass
@@ -51,6 +56,10 @@ class Backend(Protocol):
         and record into ``rec`` (times relative to ``t0``, a ``time.perf_counter`` value)."""
         ...
 
+    async def prefix_counters(self) -> list[WorkerPrefixCounters] | None:
+        """Every worker's prefix-cache counters now, or None when the server does not show them."""
+        ...
+
 
 class GrpcBackend:
     """pdserve's ``pdserve.v1.GenerateService`` at ``address`` ("host:port")."""
@@ -71,6 +80,25 @@ class GrpcBackend:
     async def info(self) -> ServerInfo:
         info = await self.client.model_info()
         return ServerInfo(info.model, info.max_model_len, info.placement)
+
+    async def prefix_counters(self) -> list[WorkerPrefixCounters] | None:
+        """Asked of each worker (WorkerService.GetStats) at the addresses in the router's admin view.
+        None when the router shows no addresses (they need the cluster's secret in
+        ``$PDSERVE_CLUSTER_SECRET``) or a worker does not answer within 5 s."""
+
+        async def one(w) -> WorkerPrefixCounters:
+            async with internal_channel(w.address, None) as channel:  # carries the secret
+                s = await worker_pb2_grpc.WorkerServiceStub(channel).GetStats(worker_pb2.GetStatsRequest(),
+                                                                              timeout=5.0)
+            return WorkerPrefixCounters(w.role, w.address, s.prefix_query_tokens, s.prefix_hit_tokens)
+
+        try:
+            workers = (await self.client.model_info(cluster_secret())).workers
+            if not workers or not all(w.address for w in workers):
+                return None
+            return list(await asyncio.gather(*(one(w) for w in workers)))
+        except grpc.aio.AioRpcError:
+            return None
 
     async def send(self, spec, rec, t0, timeout_s, temperature) -> None:
         req = make_request("", prompt_token_ids=list(spec.prompt_token_ids), max_tokens=spec.max_tokens,
@@ -126,6 +154,10 @@ class OpenAIBackend:
         m = models[0]
         self.model = self.model or m["id"]
         return ServerInfo(m.get("root") or m["id"], int(m.get("max_model_len") or 0), "openai")
+
+    async def prefix_counters(self) -> None:
+        """None: the OpenAI API does not report per-worker prefix-cache counters."""
+        return None
 
     async def send(self, spec, rec, t0, timeout_s, temperature) -> None:
         body = {"model": self.model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 from pdserve.engine.host.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
-from pdserve.bench.metrics import SLO, RequestRecord, json_safe, summarize
-from pdserve.bench.prompts import PROMPT_SETS, RANDOM_PROMPTS, make_prompt_pool
+from pdserve.bench.metrics import SLO, RequestRecord, format_prefix_cache, json_safe, prefix_cache_report, summarize
+from pdserve.bench.mooncake import BLOCK_TOKENS
+from pdserve.bench.prompts import PROMPT_SETS, RANDOM_PROMPTS, BlockPrompts, make_prompt_pool
 from pdserve.bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, fix_lengths, gamma_arrivals,
-                            load_trace, poisson_arrivals, sample_lengths, scale_to_rate, window)
+                            load_trace, poisson_arrivals, sample_rows, scale_to_rate, window)
 
 DEFAULT_PROMPTS = "sharegpt,belle-zh"
 
@@ -26,7 +27,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arrival", choices=["trace", "poisson", "gamma"], default="trace",
                    help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: synthetic at --rate")
     g.add_argument("--trace", default=None,
-                   help=f"{', '.join(TRACES)} or a CSV path; also the length source (default azure-conv)")
+                   help=f"{', '.join(TRACES)}, a CSV path or a Mooncake .jsonl path; also the length source "
+                        f"(default azure-conv); mooncake traces also shape shared prompt prefixes")
     g.add_argument("--trace-start", type=non_negative_float, default=0.0, help="window start in the trace, s")
     g.add_argument("--duration", type=positive_float, default=None, help="window length in the trace, s")
     g.add_argument("--num-requests", type=positive_int, default=20, help="requests to send (cut of the window)")
@@ -87,7 +89,9 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
     only the send times change with ``rate`` (req/s).
 
     ``--input-len``/``--output-len`` fix the lengths exactly; with both and a synthetic arrival
-    process the trace is not read, and with ``--prompts random`` no dataset is needed at all."""
+    process the trace is not read, and with ``--prompts random`` no dataset is needed at all. A
+    trace with hash ids (Mooncake) builds the prompts from blocks of ``512 * --length-scale``
+    tokens (rounded), one per id, so its shared prefixes stay shared."""
     args.trace = args.trace or "azure-conv"
     args.prompts = args.prompts or DEFAULT_PROMPTS
     fixed = args.input_len is not None and args.output_len is not None
@@ -100,20 +104,24 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
         if rate:
             rows = scale_to_rate(rows, rate)
         arrivals = [r.t_s for r in rows]
-        lengths = [(r.input_tokens, r.output_tokens) for r in rows]
     else:
         if not rate:
             raise ValueError(f"--arrival {args.arrival} needs --rate")
         n = args.num_requests
         arrivals = (poisson_arrivals(rate, n, args.seed) if args.arrival == "poisson"
                     else gamma_arrivals(rate, n, args.burstiness, args.seed))
-        lengths = [(args.input_len, args.output_len)] * n if fixed else sample_lengths(rows, n, args.seed)
+        rows = None if fixed else sample_rows(rows, n, args.seed)
+    lengths = ([(args.input_len, args.output_len)] * len(arrivals) if rows is None
+               else [(r.input_tokens, r.output_tokens) for r in rows])
     if not fixed:
         lengths = [clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens,
                                 args.max_output_tokens) for i, o in lengths]
     lengths = fix_lengths(lengths, max_model_len, args.input_len, args.output_len)
     pool = make_prompt_pool(args.prompts, tokenizer, args.seed, args.datasets_dir)
-    return build_workload(arrivals, lengths, pool, args.seed)
+    if rows is None or not any(r.hash_ids for r in rows):
+        return build_workload(arrivals, lengths, pool, args.seed)
+    blocks = BlockPrompts(pool, max(1, round(BLOCK_TOKENS * args.length_scale)), args.seed)
+    return build_workload(arrivals, lengths, blocks, args.seed, [r.hash_ids for r in rows])
 
 
 def is_loopback(address: str) -> bool:
@@ -154,6 +162,7 @@ def print_summary(summary: dict, title: str) -> None:
         line += (f"; SLO TTFT {summary['slo']['ttft_s'] * 1e3:.0f} ms + TPOT {summary['slo']['tpot_s'] * 1e3:.0f} ms: "
                  f"attainment {summary['slo_attainment'] * 100:.0f}%, goodput {summary['goodput']:.2f} req/s")
     console.print(line)
+    console.print(format_prefix_cache(summary.get("prefix_cache")), highlight=False, soft_wrap=True)
 
 
 async def bench_once(backend, specs: list[RequestSpec], run_id: str, max_duration_s: float,
@@ -235,17 +244,19 @@ def cmd_bench(args) -> int:
             max_model_len = info.max_model_len or tokenizer.model_max_length
             specs = build_specs(args, tokenizer, max_model_len, args.rate)
             kind = backend.name if info.placement == backend.name else f"{info.placement}, {backend.name}"
+            before = await backend.prefix_counters()
             print(f"sending {len(specs)} requests to {target} ({kind}) over "
                   f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
             t0 = time.perf_counter()
             records, interrupted = await bench_once(backend, specs, "bench", args.max_duration, args.temperature)
-        elapsed = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            prefix_cache = prefix_cache_report(before, await backend.prefix_counters())
         slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
         summary = summarize(records, slo, duration_s=elapsed if interrupted else None)
         summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
                        scheduled=len(specs), interrupted=interrupted, arrival=args.arrival, prompts=args.prompts,
-                       backend=backend.name, target=target)
+                       backend=backend.name, target=target, prefix_cache=prefix_cache)
         write_results(Path(args.out), records, summary)
         rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
         print_summary(summary, f"{info.placement} @ {rate}")

@@ -10,6 +10,10 @@ re-tokenizing cut text does not give a stable count.
 :class:`RandomPromptPool` (``--prompts random``) needs no dataset: uniformly random token ids,
 like vLLM's "random" benchmark dataset.
 
+:class:`BlockPrompts` builds prompts for a trace that names its prompt blocks (Mooncake's
+``hash_ids``) from either pool: equal ids give equal token blocks, so shared prefixes in the trace
+are shared prefixes on the server.
+
 Torch-free: only :mod:`pdserve.engine.text.tokenizer` (``tokenizers``) and the standard library.
 """
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any, Callable, Iterable, Sequence
 from pdserve.bench.workload import dataset_file
 from pdserve.engine.text.tokenizer import Tokenizer
 
-__all__ = ["PROMPT_SETS", "RANDOM_PROMPTS", "load_prompts", "PromptPool", "RandomPromptPool", "make_prompt_pool"]
+__all__ = ["PROMPT_SETS", "RANDOM_PROMPTS", "load_prompts", "PromptPool", "RandomPromptPool", "BlockPrompts",
+           "make_prompt_pool"]
 
 RANDOM_PROMPTS = "random"  # synthetic prompts: random token ids, no dataset
 
@@ -157,17 +162,22 @@ class PromptPool:
             if self.ids(index):
                 return index
 
-    def make(self, num_tokens: int, rng: random.Random | None = None) -> tuple[tuple[int, ...], str]:
-        """(exactly ``num_tokens`` token ids, source set name of the first prompt used)."""
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        rng = self._rng if rng is None else rng
+    def fill(self, num_tokens: int, rng: random.Random) -> tuple[tuple[int, ...], str]:
+        """(exactly ``num_tokens`` >= 0 ids of prompt text without special tokens, source set name
+        of the first prompt used)."""
         first = self._pick(rng)
-        ids = list(self.prefix) + list(self.ids(first))
+        ids = list(self.ids(first))
         while len(ids) < num_tokens:
             ids += self.separator_ids
             ids += self.ids(self._pick(rng))
         return tuple(ids[:num_tokens]), self.prompts[first][0]
+
+    def make(self, num_tokens: int, rng: random.Random | None = None) -> tuple[tuple[int, ...], str]:
+        """(exactly ``num_tokens`` token ids, source set name of the first prompt used)."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        body, source = self.fill(max(0, num_tokens - len(self.prefix)), self._rng if rng is None else rng)
+        return (self.prefix + body)[:num_tokens], source
 
 
 class RandomPromptPool:
@@ -190,14 +200,59 @@ class RandomPromptPool:
             raise ValueError("the tokenizer has no ordinary (non-special) token ids to draw from")
         self._rng = random.Random(seed)
 
+    def fill(self, num_tokens: int, rng: random.Random) -> tuple[tuple[int, ...], str]:
+        """(exactly ``num_tokens`` >= 0 random ordinary ids, ``"random"``)."""
+        return tuple(self.allowed[rng.randrange(len(self.allowed))] for _ in range(num_tokens)), self.name
+
     def make(self, num_tokens: int, rng: random.Random | None = None) -> tuple[tuple[int, ...], str]:
         """(exactly ``num_tokens`` token ids, ``"random"``)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        rng = self._rng if rng is None else rng
-        body = max(0, num_tokens - len(self.prefix))
-        ids = list(self.prefix) + [self.allowed[rng.randrange(len(self.allowed))] for _ in range(body)]
-        return tuple(ids[:num_tokens]), self.name
+        body, _ = self.fill(max(0, num_tokens - len(self.prefix)), self._rng if rng is None else rng)
+        return (self.prefix + body)[:num_tokens], self.name
+
+
+class BlockPrompts:
+    """Prompts built from token blocks named by a trace's hash ids (Mooncake's ``hash_ids``).
+
+    Block ``h`` is ``block_tokens`` ids of ``pool`` text (or random ids) drawn with an RNG seeded
+    by ``(seed, h)`` alone, so equal ids give equal blocks; the trace chains each id on the one
+    before it, so requests whose ids start alike get equal token prefixes over those blocks.
+    ``make(hash_ids, n, rng)`` is the tokenizer's special prefix, then the blocks in order, cut to
+    exactly ``n`` ids; when the blocks hold fewer, ids drawn from ``pool`` with ``rng`` (the
+    request's own) fill the rest. Blocks are cached.
+    """
+
+    def __init__(self, pool: PromptPool | RandomPromptPool, block_tokens: int, seed: int) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.pool, self.block_tokens, self.seed = pool, block_tokens, seed
+        self._blocks: dict[int, tuple[tuple[int, ...], str]] = {}
+
+    def block(self, hash_id: int) -> tuple[tuple[int, ...], str]:
+        """(the ``block_tokens`` ids of block ``hash_id``, source set name of its first prompt)."""
+        cached = self._blocks.get(hash_id)
+        if cached is None:
+            cached = self._blocks[hash_id] = self.pool.fill(self.block_tokens, random.Random(f"{self.seed}:{hash_id}"))
+        return cached
+
+    def make(self, hash_ids: Sequence[int], num_tokens: int, rng: random.Random) -> tuple[tuple[int, ...], str]:
+        """(exactly ``num_tokens`` ids: prefix, then the blocks of ``hash_ids``, then ``rng``'s fill;
+        source set name of the first block, or of the fill when there is no block)."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        ids, sources = list(self.pool.prefix), []
+        for h in hash_ids:
+            if len(ids) >= num_tokens and sources:
+                break
+            block, source = self.block(h)
+            ids += block
+            sources.append(source)
+        if len(ids) < num_tokens or not sources:
+            tail, source = self.pool.fill(max(0, num_tokens - len(ids)), rng)
+            ids += tail
+            sources.append(source)
+        return tuple(ids[:num_tokens]), sources[0]
 
 
 def make_prompt_pool(names: str | Sequence[str], tokenizer: Tokenizer, seed: int,

@@ -1,40 +1,40 @@
 """Workload shapes for load tests: arrival schedules and (input, output) lengths.
 
-Arrivals come either from a production trace (the Azure LLM inference trace 2023,
-replayed as recorded, windowed and optionally time-scaled to a target rate) or
-from a seeded synthetic process (Poisson, or gamma gaps with vLLM-style
-"burstiness").  Lengths come from the same trace rows, clipped to what the model
-can hold.  :func:`build_workload` joins a schedule and lengths with prompt token
-ids from a :class:`pdserve.bench.prompts.PromptPool` into :class:`RequestSpec` objects.
+Arrivals come either from a production trace (the Azure LLM inference trace 2023, Mooncake's
+FAST'25 traces) replayed as recorded, windowed and optionally time-scaled to a target rate, or
+from a seeded synthetic process (Poisson, or gamma gaps with vLLM-style "burstiness").  Lengths
+come from the same trace rows, clipped to what the model can hold; Mooncake rows also name their
+prompt blocks.  :func:`build_workload` joins a schedule and lengths with prompt token ids from a
+:class:`pdserve.bench.prompts.PromptPool` into :class:`RequestSpec` objects.
 
 Pure standard library + numpy; never imports torch or ray.
 """
 from __future__ import annotations
 
-import csv
-import functools
 import math
 import os
 import random
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from pdserve.bench.azure import read_azure_trace
+from pdserve.bench.mooncake import read_mooncake_trace
+
 if TYPE_CHECKING:
-    from pdserve.bench.prompts import PromptPool
+    from pdserve.bench.prompts import BlockPrompts, PromptPool
 
 __all__ = ["TraceRow", "TRACES", "RequestSpec", "resolve_datasets_dir", "dataset_file", "load_trace",
            "window", "scale_to_rate", "poisson_arrivals", "gamma_arrivals", "clip_lengths",
-           "sample_lengths", "fix_lengths", "build_workload"]
+           "sample_rows", "fix_lengths", "build_workload"]
 
 DATASETS_ENV = "PDSERVE_DATASETS"
 TRACES = {"azure-conv": "azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv",
-          "azure-code": "azure_llm_trace_2023/AzureLLMInferenceTrace_code.csv"}
-_AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-_TICKS = 10**9  # timestamps are kept as integer nanoseconds until the final subtraction
+          "azure-code": "azure_llm_trace_2023/AzureLLMInferenceTrace_code.csv",
+          "mooncake-conversation": "mooncake_fast25_traces/conversation_trace.jsonl",
+          "mooncake-synthetic": "mooncake_fast25_traces/synthetic_trace.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class TraceRow:
     t_s: float  # seconds since the trace's first request
     input_tokens: int
     output_tokens: int
+    hash_ids: tuple[int, ...] = ()  # Mooncake: one id per 512-token prompt block, chained on the one before
 
 
 @dataclass(frozen=True)
@@ -77,34 +78,14 @@ def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=4096)
-def _whole_seconds(text: str) -> int:
-    return int(datetime.strptime(text, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp())
-
-
-def _parse_timestamp(text: str) -> int:
-    """Wall-clock text ``YYYY-MM-DD HH:MM:SS[.fffffff]`` (no time zone) -> integer nanoseconds."""
-    whole, _, frac = text.strip().partition(".")
-    if frac and not (frac.isdigit() and len(frac) <= 9):
-        raise ValueError(f"bad fractional seconds {frac!r}")
-    return _whole_seconds(whole) * _TICKS + (int(frac.ljust(9, "0")) if frac else 0)
-
-
-def _count(text: str, field: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"{field} must be >= 0, got {value}")
-    return value
-
-
 def load_trace(name_or_path: str, datasets_dir: str | Path | None = None) -> list[TraceRow]:
-    """Rows of an Azure-format trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+    """Rows of an Azure-format trace CSV (:func:`pdserve.bench.azure.read_azure_trace`) or, for a
+    ``.jsonl`` file, of a Mooncake trace with its hash ids (:func:`pdserve.bench.mooncake.read_mooncake_trace`).
 
     ``name_or_path`` is a key of :data:`TRACES` (resolved under the datasets folder)
-    or a path to such a CSV.  Times are seconds relative to the first row, exact to
-    the file's 7 fractional digits.  Raises FileNotFoundError when the file is
-    absent and ValueError (with the file line number) on a wrong header, a
-    malformed row or a timestamp earlier than the one before it.
+    or a path to such a file.  Times are seconds relative to the first row.  Raises
+    FileNotFoundError when the file is absent and ValueError (with the file line number) on a
+    malformed file.
     """
     if name_or_path in TRACES:
         path = dataset_file(TRACES[name_or_path], datasets_dir)
@@ -113,30 +94,8 @@ def load_trace(name_or_path: str, datasets_dir: str | Path | None = None) -> lis
         if not path.is_file():
             raise FileNotFoundError(f"trace {name_or_path!r} is neither a file nor one of {sorted(TRACES)}; "
                                     f"point at the datasets folder with --datasets-dir")
-    ticks: list[int] = []
-    lengths: list[tuple[int, int]] = []
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header] != _AZURE_HEADER:
-            raise ValueError(f"{path}:1: expected header {','.join(_AZURE_HEADER)}, got {header}")
-        for row in reader:
-            line = reader.line_num
-            if not row:
-                continue
-            try:
-                if len(row) != 3:
-                    raise ValueError(f"expected 3 fields, got {len(row)}")
-                tick = _parse_timestamp(row[0])
-                lengths.append((_count(row[1], "ContextTokens"), _count(row[2], "GeneratedTokens")))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{line}: malformed row {row!r}: {exc}") from None
-            if ticks and tick < ticks[-1]:
-                raise ValueError(f"{path}:{line}: timestamp {row[0]!r} is earlier than the row before it")
-            ticks.append(tick)
-    if not ticks:
-        return []
-    return [TraceRow((tick - ticks[0]) / _TICKS, inp, out) for tick, (inp, out) in zip(ticks, lengths)]
+    read = read_mooncake_trace if path.suffix == ".jsonl" else read_azure_trace
+    return [TraceRow(*row) for row in read(path)]
 
 
 def window(rows: Sequence[TraceRow], start_s: float = 0.0, duration_s: float | None = None,
@@ -154,7 +113,7 @@ def window(rows: Sequence[TraceRow], start_s: float = 0.0, duration_s: float | N
     if not kept:
         return []
     t0 = kept[0].t_s
-    return [TraceRow(r.t_s - t0, r.input_tokens, r.output_tokens) for r in kept]
+    return [replace(r, t_s=r.t_s - t0) for r in kept]
 
 
 def scale_to_rate(rows: Sequence[TraceRow], target_rate: float) -> list[TraceRow]:
@@ -171,7 +130,7 @@ def scale_to_rate(rows: Sequence[TraceRow], target_rate: float) -> list[TraceRow
     if span <= 0:
         raise ValueError("rows span zero seconds; their rate is undefined")
     factor = (len(rows) - 1) / (target_rate * span)
-    return [TraceRow(r.t_s * factor, r.input_tokens, r.output_tokens) for r in rows]
+    return [replace(r, t_s=r.t_s * factor) for r in rows]
 
 
 def _check_rate(rate: float, n: int) -> None:
@@ -237,14 +196,13 @@ def clip_lengths(input_tokens: int, output_tokens: int, max_model_len: int, leng
     return inp, out
 
 
-def sample_lengths(rows: Sequence[TraceRow], n: int, seed: int) -> list[tuple[int, int]]:
-    """``n`` (input, output) pairs drawn with replacement from trace rows (for synthetic arrivals)."""
+def sample_rows(rows: Sequence[TraceRow], n: int, seed: int) -> list[TraceRow]:
+    """``n`` trace rows drawn with replacement (their lengths and hash ids, for synthetic arrivals)."""
     if not rows:
         raise ValueError("need at least one trace row to sample lengths from")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(seed)
-    return [(r.input_tokens, r.output_tokens) for r in rng.choices(rows, k=n)]
+    return random.Random(seed).choices(rows, k=n)
 
 
 def fix_lengths(lengths: Sequence[tuple[int, int]], max_model_len: int, input_len: int | None = None,
@@ -275,15 +233,20 @@ def fix_lengths(lengths: Sequence[tuple[int, int]], max_model_len: int, input_le
     return out
 
 
-def build_workload(arrivals: Sequence[float], lengths: Sequence[tuple[int, int]], prompts: PromptPool,
-                   seed: int) -> list[RequestSpec]:
+def build_workload(arrivals: Sequence[float], lengths: Sequence[tuple[int, int]], prompts: PromptPool | BlockPrompts,
+                   seed: int, hash_ids: Sequence[Sequence[int]] | None = None) -> list[RequestSpec]:
     """Zip send times with (input, output) lengths; each prompt is exactly ``input`` ids from ``prompts``.
 
-    Deterministic for a seed.  ValueError when the sequences differ in length,
-    when arrivals decrease or are negative, or when a length is < 1.
+    With ``hash_ids`` (one sequence per request, from a Mooncake trace) ``prompts`` is a
+    :class:`~pdserve.bench.prompts.BlockPrompts` and each prompt is built from its request's ids,
+    so requests whose ids start alike share that prompt prefix.  Deterministic for a seed.
+    ValueError when the sequences differ in length, when arrivals decrease or are negative, or
+    when a length is < 1.
     """
     if len(arrivals) != len(lengths):
         raise ValueError(f"{len(arrivals)} arrivals but {len(lengths)} lengths")
+    if hash_ids is not None and len(hash_ids) != len(lengths):
+        raise ValueError(f"{len(lengths)} lengths but {len(hash_ids)} hash id sequences")
     rng = random.Random(seed)
     specs: list[RequestSpec] = []
     prev = 0.0
@@ -292,7 +255,7 @@ def build_workload(arrivals: Sequence[float], lengths: Sequence[tuple[int, int]]
             raise ValueError(f"arrival {i} at {t} s is negative or earlier than the one before it")
         if inp < 1 or out < 1:
             raise ValueError(f"request {i}: input and output lengths must be >= 1, got ({inp}, {out})")
-        ids, source = prompts.make(inp, rng)
+        ids, source = prompts.make(inp, rng) if hash_ids is None else prompts.make(hash_ids[i], inp, rng)
         specs.append(RequestSpec(i, float(t), ids, int(out), source))
         prev = t
     return specs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench.workload import (TRACES, RequestSpec, TraceRow, build_workload, clip_lengths, gamma_arrivals,
-                            load_trace, poisson_arrivals, resolve_datasets_dir, sample_lengths, scale_to_rate,
+                            load_trace, poisson_arrivals, resolve_datasets_dir, sample_rows, scale_to_rate,
                             window)
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
@@ -245,13 +245,12 @@ def test_clip_lengths_over_a_trace_window(datasets_dir):
     assert all(i + o <= 512 for i, o in half)
 
 
-def test_sample_lengths(conv):
-    a = sample_lengths(conv, 500, seed=1)
-    assert a == sample_lengths(conv, 500, seed=1) != sample_lengths(conv, 500, seed=2)
-    pairs = {(r.input_tokens, r.output_tokens) for r in conv}
-    assert len(a) == 500 and all(p in pairs for p in a)
+def test_sample_rows(conv):
+    a = sample_rows(conv, 500, seed=1)
+    assert a == sample_rows(conv, 500, seed=1) != sample_rows(conv, 500, seed=2)
+    assert len(a) == 500 and set(a) <= set(conv)
     with pytest.raises(ValueError):
-        sample_lengths([], 3, seed=0)
+        sample_rows([], 3, seed=0)
 
 
 # --- build_workload -------------------------------------------------------------------------------
@@ -283,7 +282,7 @@ def test_build_workload_ties_schedule_lengths_and_prompts(conv, pool):
 
 def test_build_workload_with_synthetic_arrivals(conv, pool):
     arrivals = gamma_arrivals(5.0, 30, 0.5, seed=2)
-    lengths = [clip_lengths(i, o, 1024) for i, o in sample_lengths(conv, 30, seed=2)]
+    lengths = [clip_lengths(r.input_tokens, r.output_tokens, 1024) for r in sample_rows(conv, 30, seed=2)]
     specs = build_workload(arrivals, lengths, pool, seed=0)
     assert [s.send_at_s for s in specs] == arrivals
     assert [(len(s.prompt_token_ids), s.max_tokens) for s in specs] == lengths

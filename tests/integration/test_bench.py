@@ -32,7 +32,10 @@ def datasets():
 
 
 @pytest.mark.parametrize("placement", ["split", "colocated"])
-async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placement):
+async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placement, monkeypatch):
+    from pdserve.engine.host.auth import SECRET_ENV
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)  # no admin view, so no per-worker prefix-cache stats
     async with local_pipeline(embedded_dir, placement) as pipe:
         proc = await asyncio.create_subprocess_exec(
             *PDSERVE, "bench", "--router", pipe.address, "--tokenizer", str(embedded_dir), "--num-requests", "6",
@@ -60,6 +63,40 @@ async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placemen
     assert SUMMARY_FIELDS <= summary.keys()
     assert summary["completed"] == 6 and summary["placement"] == placement
     assert "goodput" in out.decode()
+    assert summary["prefix_cache"] is None and "prefix cache hit rate: n/a" in out.decode()
+
+
+async def test_bench_mooncake_reports_prefix_cache_hits_per_worker(embedded_dir, tmp_path, monkeypatch):
+    """Mooncake conversation rows all start with hash id 0, so prompts after the first one find that
+    block (BOS + 32 tokens: two 16-token KV blocks) cached; the cluster secret lets bench read the workers."""
+    from pdserve.engine.host.auth import SECRET_ENV
+
+    try:
+        dataset_file("mooncake_fast25_traces/conversation_trace.jsonl")
+    except FileNotFoundError:
+        pytest.skip("../shared/datasets/mooncake_fast25_traces is absent")
+    monkeypatch.setenv(SECRET_ENV, "bench-test-secret")  # the workers, the router and bench share it
+    async with local_pipeline(embedded_dir, "split") as pipe:
+        proc = await asyncio.create_subprocess_exec(
+            *PDSERVE, "bench", "--router", pipe.address, "--tokenizer", str(embedded_dir), "--trace",
+            "mooncake-conversation", "--length-scale", "0.0625", "--num-requests", "8", "--rate", "2",
+            "--max-output-tokens", "8", "--out", str(tmp_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 0, out.decode()
+        assert await pipe.wait_idle() == 0
+        prefill, decode = (w.address for w in pipe.workers)
+    report = json.loads((tmp_path / "summary.json").read_text())["prefix_cache"]
+    assert {(w["role"], w["address"]) for w in report["workers"]} == {("prefill", prefill), ("decode", decode)}
+    prompts = sum(json.loads(line)["prompt_tokens"] for line in (tmp_path / "results.jsonl").read_text().splitlines())
+    assert report["query_tokens"] >= prompts  # every prompt admitted on some worker
+    assert report["hit_tokens"] >= 32 and report["hit_tokens"] % 16 == 0  # whole KV blocks
+    assert 0 < report["hit_rate"] < 1
+    text = out.decode()
+    for w in report["workers"]:
+        rate = f"{w['hit_rate'] * 100:.1f}%" if w["query_tokens"] else "n/a"
+        assert w["hit_rate"] == (w["hit_tokens"] / w["query_tokens"] if w["query_tokens"] else None)
+        assert f"{w['role']} {w['address']}: {rate}" in text
 
 
 async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
