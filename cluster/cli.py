@@ -29,6 +29,7 @@ def _cluster_config(args):
                          api_keys=parse_api_keys(getattr(args, "api_key", None) if getattr(args, "api_key", None)
                                                  is not None else os.environ.get(API_KEY_ENV)),
                          max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
+                         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
                          tls=_tls_files(args))
 
 
@@ -67,6 +68,15 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=port, default=default_port, help="router port (0 = any free port)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local Ray)")
+    add_role_resource_args(p)
+
+
+def add_role_resource_args(p: argparse.ArgumentParser) -> None:
+    """--prefill-resource/--decode-resource: pin each split role to the Ray nodes offering a custom resource."""
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-resource", default=None, metavar="NAME",
+                       help=f"split: run {role} workers only on Ray nodes that offer this custom resource, one "
+                            f"unit per worker (`ray start --resources '{{\"NAME\": N}}'`)")
 
 
 def cmd_serve(args) -> int:

@@ -34,6 +34,10 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     cpus_per_worker: int = 1
+    # split placement: a custom Ray resource that each prefill (decode) worker asks one unit of, so that
+    # role runs only on the nodes offering it (``ray start --resources '{"NAME": N}'``: N such workers there)
+    prefill_resource: str | None = None
+    decode_resource: str | None = None
     router_host: str = "127.0.0.1"
     router_port: int = 50051
     http_port: int | None = None
@@ -63,6 +67,8 @@ class ClusterConfig:
             raise ValueError("cpus_per_worker must be >= 1")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu, cuda or None (auto), got {self.device!r}")
+        if self.placement == "colocated" and (self.prefill_resource or self.decode_resource):
+            raise ValueError("--prefill-resource/--decode-resource place split roles; colocated workers have neither")
 
     @property
     def roles(self) -> list[str]:
@@ -96,3 +102,9 @@ class ClusterConfig:
         if use_gpu:
             return replace(self.engine, device="cuda")
         return replace(self.engine, device="cpu", torch_threads=self.engine.torch_threads or self.cpus_per_worker)
+
+    def role_resources(self, role: str) -> dict[str, float]:
+        """Custom Ray resources one worker of ``role`` asks for: one unit of ``prefill_resource`` or
+        ``decode_resource`` when set, else none."""
+        name = {"prefill": self.prefill_resource, "decode": self.decode_resource}.get(role)
+        return {name: 1.0} if name else {}

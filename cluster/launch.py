@@ -94,8 +94,8 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         engine_cfg = cfg.worker_engine(use_gpu)
         opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cfg.cpus_per_worker}
         # Ray restarts a dead worker process; the supervisor then starts its server again
-        actors = [WorkerActor.options(max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0, **opts).remote()
-                  for _ in roles]
+        actors = [WorkerActor.options(max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0, **opts,
+                                      resources=cfg.role_resources(r)).remote() for r in roles]
         cluster._actors.extend(actors)
         # pin CPU workers to their own cores on a local machine (a remote cluster's nodes are its own)
         pin = started and not use_gpu and sys.platform.startswith("linux")

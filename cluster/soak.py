@@ -13,6 +13,11 @@ At the end it prints requests completed / migrated / failed by status / cancelle
 deadline, hung requests (none may be), used KV blocks per worker (must be 0), greedy mismatches
 of completed requests against the same prompts run undisturbed on a local engine (must be 0), and
 the time to recover after each kill. Loopback only; every wait is bounded.
+
+``--two-nodes`` runs the same soak across two real Ray nodes (``pdserve.cluster.netns``: two network
+namespaces joined by a veth pair, Ray token auth): prefill on the head, decode on the worker node,
+so every KV cache crosses the link, and the killed decode worker is the remote one. Needs root.
+``--address`` (with ``--prefill-resource``/``--decode-resource``) runs it on a Ray cluster of your own.
 """
 
 from __future__ import annotations
@@ -147,8 +152,10 @@ async def _used_blocks(cluster) -> dict[str, int]:
 
 def run_soak(model: str = "embedded", num_requests: int = 1000, rate: float = 8.0, kills=("decode", "prefill"),
              cancel_frac: float = 0.10, deadline_frac: float = 0.05, length_scale: float = 0.1,
-             seed: int = 0) -> dict:
-    """Run the soak and return its figures (``summary_lines`` formats them)."""
+             seed: int = 0, ray_address: str | None = None, prefill_resource: str | None = None,
+             decode_resource: str | None = None) -> dict:
+    """Run the soak and return its figures (``summary_lines`` formats them). ``ray_address``: join
+    that Ray cluster instead of starting a local one; ``*_resource``: pin each role (ClusterConfig)."""
     from pdserve.cluster.config import ClusterConfig
     from pdserve.cluster.launch import start_cluster
     from pdserve.engine.config import EngineConfig, ModelConfig
@@ -163,7 +170,9 @@ def run_soak(model: str = "embedded", num_requests: int = 1000, rate: float = 8.
                               length_scale)
     engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=max_len, kv_cache_gib=1.0)
     t = time.monotonic()
-    with start_cluster(ClusterConfig(engine=engine_cfg, placement="split", router_port=0, http_port=0)) as cluster:
+    cfg = ClusterConfig(engine=engine_cfg, placement="split", router_port=0, http_port=0, ray_address=ray_address,
+                        prefill_resource=prefill_resource, decode_resource=decode_resource)
+    with start_cluster(cfg) as cluster:
         recoveries = asyncio.run(_run_load(cluster, requests, list(kills)))
         used = asyncio.run(_settled_blocks(cluster))
         migrated = _scrape_migrations(cluster.http_address)
@@ -219,8 +228,13 @@ def summary_lines(s: dict) -> list[str]:
 def cmd_soak(args) -> int:
     if args.cancel_frac + args.deadline_frac > 1.0:
         raise ValueError("--cancel-frac + --deadline-frac must be <= 1")
+    if args.two_nodes:
+        if args.address or args.prefill_resource or args.decode_resource:
+            raise ValueError("--two-nodes makes its own Ray cluster: drop --address and the --*-resource flags")
+        return _soak_on_two_nodes(args)
     s = run_soak(args.model or "embedded", args.num_requests, args.rate, list(args.kills), args.cancel_frac,
-                 args.deadline_frac, args.length_scale, args.seed)
+                 args.deadline_frac, args.length_scale, args.seed, args.address, args.prefill_resource,
+                 args.decode_resource)
     for line in summary_lines(s):
         print(line)
     plain = s["by_action"]["normal"]
@@ -229,6 +243,18 @@ def cmd_soak(args) -> int:
     if set(plain) - {"completed"}:
         print(f"plain requests that did not complete: { {k: v for k, v in plain.items() if k != 'completed'} }")
     return 0 if ok else 1
+
+
+def _soak_on_two_nodes(args) -> int:
+    """This soak again, on two fresh Ray nodes in network namespaces (torn down after)."""
+    from pdserve.cluster.netns import run_on_two_nodes
+
+    flags = ["--num-requests", str(args.num_requests), "--rate", repr(args.rate), "--kills", ",".join(args.kills),
+             "--cancel-frac", repr(args.cancel_frac), "--deadline-frac", repr(args.deadline_frac),
+             "--length-scale", repr(args.length_scale), "--seed", str(args.seed)]
+    flags += ["--model", args.model] if args.model else []
+    # the run's own waits are bounded well within this
+    return run_on_two_nodes(["soak", *flags], timeout_s=args.num_requests / args.rate + 1800.0)
 
 
 def _kills(text: str) -> tuple[str, ...]:
@@ -241,6 +267,7 @@ def _kills(text: str) -> tuple[str, ...]:
 
 
 def add_soak_parser(sub) -> None:
+    from pdserve.cluster.cli import add_role_resource_args
     from pdserve.engine.host.cli_args import fraction, non_negative_int, positive_float, positive_int
 
     p = sub.add_parser("soak", help="a split cluster under a trace, cancels, deadlines and worker kills (bounded)")
@@ -254,4 +281,9 @@ def add_soak_parser(sub) -> None:
                    help="share of requests with a deadline too tight to make")
     p.add_argument("--length-scale", type=positive_float, default=0.1)
     p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--two-nodes", action="store_true",
+                   help="across two real Ray nodes in two network namespaces (root): prefill on one, decode on the "
+                        "other")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: a local Ray instance)")
+    add_role_resource_args(p)
     p.set_defaults(func=cmd_soak)
