@@ -77,7 +77,8 @@ class RouterActor:
                     bind_host: str, port: int, max_model_len: int | None, http_port: int | None = None,
                     model_name: str | None = None, api_keys: tuple[str, ...] = (),
                     secret: str | None = None, max_requests_per_worker: int = 0,
-                    tls: tuple[str, str] | None = None) -> tuple[str, str | None]:
+                    tls: tuple[str, str] | None = None, routing: str = "prefix-aware",
+                    local_prefill_tokens: int = 0) -> tuple[str, str | None]:
         """Serve; returns the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _set_secret(secret)
@@ -85,7 +86,8 @@ class RouterActor:
 
         self.running = r = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len,
                                        http_port=http_port, model_name=model_name, api_keys=api_keys,
-                                       max_requests_per_worker=max_requests_per_worker, tls=tls)
+                                       max_requests_per_worker=max_requests_per_worker, tls=tls,
+                                       routing=routing, local_prefill_tokens=local_prefill_tokens)
         host = _advertised_host(bind_host)
         http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
         return f"{host}:{r.address.rsplit(':', 1)[1]}", http

@@ -30,7 +30,7 @@ def _cluster_config(args):
                                                  is not None else os.environ.get(API_KEY_ENV)),
                          max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
                          prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
-                         tls=_tls_files(args))
+                         tls=_tls_files(args), routing=args.routing, local_prefill_tokens=args.local_prefill_tokens)
 
 
 def _tls_files(args) -> tuple[str, str] | None:
@@ -69,6 +69,20 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
     p.add_argument("--port", type=port, default=default_port, help="router port (0 = any free port)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local Ray)")
     add_role_resource_args(p)
+    add_routing_args(p)
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    """--routing and --local-prefill-tokens (README: prefix-aware routing, conditional disaggregation)."""
+    from pdserve.cluster.config import DEFAULT_LOCAL_PREFILL_TOKENS
+    from pdserve.router.pool import ROUTING_POLICIES
+
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix-aware",
+                   help="prefix-aware: prefer the worker holding the prompt's prefix, balanced against load; "
+                        "least-loaded: ignore prefixes")
+    p.add_argument("--local-prefill-tokens", type=non_negative_int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
+                   help="split: the decode worker prefills a request itself when at most this many prompt tokens "
+                        "are not in its prefix cache (no KV moves); 0 = always split")
 
 
 def add_role_resource_args(p: argparse.ArgumentParser) -> None:

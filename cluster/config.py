@@ -10,6 +10,12 @@ from pdserve.engine.config import EngineConfig
 PLACEMENTS = ("split", "colocated")
 
 
+# Split placement prefills on the decode worker when at most this many prompt tokens are not in
+# its prefix cache (benchmarks/local_prefill.py: up to 32, a decode-side prefill adds less than a
+# decode step to its neighbours' inter-token gaps).
+DEFAULT_LOCAL_PREFILL_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """A router plus workers on Ray.
@@ -38,6 +44,8 @@ class ClusterConfig:
     # role runs only on the nodes offering it (``ray start --resources '{"NAME": N}'``: N such workers there)
     prefill_resource: str | None = None
     decode_resource: str | None = None
+    routing: str = "prefix-aware"  # or "least-loaded" (router/pool.py)
+    local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS  # split: prefill on decode at most this many uncached
     router_host: str = "127.0.0.1"
     router_port: int = 50051
     http_port: int | None = None
@@ -67,6 +75,10 @@ class ClusterConfig:
             raise ValueError("cpus_per_worker must be >= 1")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu, cuda or None (auto), got {self.device!r}")
+        if self.routing not in ("prefix-aware", "least-loaded"):
+            raise ValueError(f"routing must be prefix-aware or least-loaded, got {self.routing!r}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         if self.placement == "colocated" and (self.prefill_resource or self.decode_resource):
             raise ValueError("--prefill-resource/--decode-resource place split roles; colocated workers have neither")
 

@@ -112,7 +112,7 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         cluster.address, cluster.http_address = ray.get(router.start.remote(
             str(model_dir), by_role["prefill"], by_role["decode"], by_role["both"], router_bind,
             cfg.router_port, cfg.engine.max_model_len, cfg.http_port, model_name, cfg.api_keys, secret,
-            cfg.max_requests_per_worker, cfg.tls),
+            cfg.max_requests_per_worker, cfg.tls, cfg.routing, cfg.local_prefill_tokens),
             timeout=START_TIMEOUT_S)
     except KeyboardInterrupt:
         cluster.stop()

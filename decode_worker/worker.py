@@ -16,16 +16,26 @@ from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_t
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
+CACHED_TOKENS_KEY = "x-pdserve-cached-tokens"  # Decode's initial metadata: prompt tokens held for the KV
 PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
                     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
                     (KvCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED))
+
+
+async def _submit_quietly(loop, fn) -> None:
+    try:
+        await asyncio.wrap_future(loop.submit(fn))
+    except RuntimeError:  # the engine loop has stopped
+        pass
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
     """Composes an EngineHost (engine + its thread); implements ``pdserve.engine.kv.transfer.KvReceiver``.
 
     A request is attached by ``Decode`` (the router calls it before prefill); its KV arrives through
-    ``PushKv`` within ``kv_timeout_s`` seconds or the stream fails with DEADLINE_EXCEEDED. KV for a
+    ``PushKv`` within ``kv_timeout_s`` seconds or the stream fails with DEADLINE_EXCEEDED. Given the
+    prompt, ``Decode`` first holds its cached prefix (``Engine.pin_prefix``) and says how many
+    tokens that is, so the push can leave them out. KV for a
     request nobody waits for is refused before it is assembled, so no block is ever allocated for it.
     """
 
@@ -94,7 +104,11 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         timeout = request.kv_timeout_s or self.kv_timeout_s
         finished = False
         try:
-            await context.send_initial_metadata(())
+            cached = 0
+            if request.prompt_token_ids:  # hold the cached prefix: the push may leave it out
+                prompt = list(request.prompt_token_ids)
+                cached = await asyncio.wrap_future(self.host.loop.submit(lambda e: e.pin_prefix(rid, prompt)))
+            await context.send_initial_metadata(((CACHED_TOKENS_KEY, str(cached)),))
             try:
                 await asyncio.wait_for(asyncio.shield(fut), timeout)
             except asyncio.TimeoutError:
@@ -117,6 +131,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             self._pending.pop(rid, None)
             self._kv_transfer.pop(rid, None)
             self.host.streams.close(rid)
+            await _submit_quietly(self.host.loop, lambda e: e.unpin(rid))
             if not finished:
                 await abort_quietly(self.host.loop, rid)
 

@@ -21,6 +21,7 @@ from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.prefix_hash import prefix_hashes
 from pdserve.engine.scheduling.scheduler import Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
 from pdserve.engine.text.tokenizer import Tokenizer
@@ -74,6 +75,7 @@ class Engine:
                                             self.runner.dtype_name, cfg.block_size,
                                             self.tokenizer.content_hash, weights_hash(self.model_dir))
         self._digest = self.fingerprint.digest()
+        self._pinned: dict[str, Sequence] = {}  # request id -> prefix held for its coming KV (pin_prefix)
 
     # -- requests -------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -99,31 +101,71 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def pin_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Hold the longest cached prefix of ``token_ids`` for a KV payload yet to come, so that its
+        sender can leave those positions out (``KvPayload.kv_start``). Returns its length in tokens
+        (0 without prefix caching or a cached prefix); ``unpin`` or ``admit_kv`` releases it."""
+        self.unpin(request_id)
+        seq = Sequence.new(request_id, token_ids, SamplingParams(), self.eos_token_ids)
+        cached = self.blocks.match_prefix(seq)
+        if cached:
+            self._pinned[request_id] = seq
+        return cached
+
+    def unpin(self, request_id: str) -> None:
+        """Release a prefix held by ``pin_prefix`` (no-op when none is)."""
+        seq = self._pinned.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
     def admit_kv(self, payload: KvPayload) -> Sequence:
         """Place a prefilled sequence (prompt KV + first token) into the running batch.
 
-        ``payload.kv``: [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim].
-        Raises ValueError when the request can never fit and KvCacheFullError when blocks are short now.
+        ``payload.kv``: [num_layers, 2, num_prompt_tokens - kv_start, num_kv_heads, head_dim]; with
+        ``kv_start`` > 0 the positions before it come from the prefix ``pin_prefix`` held.
+        Raises ValueError when the request can never fit or the prefix held for it is not the
+        payload's, and KvCacheFullError when blocks are short now (the prefix stays held for a retry).
         """
         sampling = SamplingParams.from_dict(payload.sampling)
         self.check_request(payload.token_ids, sampling)
-        seq = Sequence.new(payload.request_id, payload.token_ids, sampling, self.eos_token_ids)
+        rid, k = payload.request_id, payload.kv_start
+        kb = k // self.cfg.block_size
+        held = self._pinned.get(rid)
+        if k and (held is None or held.token_ids[:k] != list(payload.token_ids[:k])
+                  or held.block_hashes[:kb] != list(payload.prefix_hashes) or len(held.block_table) < kb):
+            raise ValueError(f"request {rid}: its KV starts at position {k}, but this worker holds no such "
+                             f"prefix for it")
+        seq = Sequence.new(rid, payload.token_ids, sampling, self.eos_token_ids)
         seq.token_ids.append(payload.first_token)
-        if not self.blocks.can_allocate(seq.num_tokens):
-            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks; "
-                                   f"request {payload.request_id} needs {self.blocks.blocks_for(seq.num_tokens)}")
-        self.blocks.allocate(seq, seq.num_tokens)
-        self.runner.write_kv(seq, payload.kv)
+        need = self.blocks.blocks_for(seq.num_tokens) - kb
+        if need > self.blocks.num_free:
+            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks; request {rid} needs {need}")
+        if k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
+            del self._pinned[rid]
+            seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]
+            seq.block_hashes = held.block_hashes[:kb]
+            self.blocks.free(held)
+            seq.num_cached_tokens = k
+        else:
+            self.unpin(rid)
+        self.blocks.grow(seq, seq.num_tokens)
+        self.runner.write_kv(seq, payload.kv, k)
         self.scheduler.admit_running(seq)
         self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
         return seq
 
-    def extract_kv(self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None) -> KvPayload:
+    def extract_kv(self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None,
+                   skip_tokens: int = 0) -> KvPayload:
         """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
-        token) and the last token as ``first_token``. Frees its blocks. ``alloc``: see ``ModelRunner.read_kv``."""
-        kv = self.runner.read_kv(seq, seq.num_tokens - 1, alloc)
+        token; only from ``skip_tokens`` on, rounded down to whole blocks, when the receiver holds
+        the positions before) and the last token as ``first_token``. Frees its blocks. ``alloc``:
+        see ``ModelRunner.read_kv``."""
+        n, bs = seq.num_tokens - 1, self.cfg.block_size
+        start = min(skip_tokens, n - 1) // bs * bs
+        kv = self.runner.read_kv(seq, n, alloc, start)
         payload = KvPayload(seq.request_id, self.fingerprint, seq.token_ids[:-1], seq.token_ids[-1],
-                            seq.sampling.to_dict(), kv)
+                            seq.sampling.to_dict(), kv, kv_start=start,
+                            prefix_hashes=prefix_hashes(seq.token_ids[:start], bs))
         self.scheduler.finish(seq)
         return payload
 

@@ -97,19 +97,22 @@ class ModelRunner:
         chosen = [seqs[i] for i in sampled]
         return sample(logits, [s.sampling for s in chosen], [s.sampling.step_offset + s.num_output_tokens for s in chosen])
 
-    def _runs(self, seq: Sequence, n: int) -> list[tuple[int, int, int]]:
-        """Positions 0..n-1 of ``seq`` as runs over consecutive block ids: (first position, end position,
-        first block). They fill whole blocks, the last one possibly in part."""
+    def _runs(self, seq: Sequence, n: int, start: int = 0) -> list[tuple[int, int, int]]:
+        """Positions start..n-1 of ``seq`` (``start`` a multiple of the block size) as runs over
+        consecutive block ids: (first position, end position, first block), relative to ``start``.
+        They fill whole blocks, the last one possibly in part."""
         bs, table = self.cfg.block_size, seq.block_table
+        if start % bs:
+            raise ValueError(f"start {start} is not a multiple of the block size {bs}")
         num_blocks = -(-n // bs)
         if len(table) < num_blocks:
             raise ValueError(f"{n} positions need {num_blocks} blocks; {seq.request_id} has {len(table)}")
-        runs, i = [], 0
+        runs, i = [], start // bs
         while i < num_blocks:
             j = i + 1
             while j < num_blocks and table[j] == table[j - 1] + 1:
                 j += 1
-            runs.append((i * bs, min(j * bs, n), table[i]))
+            runs.append((i * bs - start, min(j * bs, n) - start, table[i]))
             i = j
         return runs
 
@@ -119,14 +122,15 @@ class ModelRunner:
         return self.kv_cache[:, :, block : block + count].flatten(2, 3)[:, :, : p1 - p0]
 
     def read_kv(self, seq: Sequence, num_positions: int,
-                alloc: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
-        """Copy positions 0..num_positions-1 of ``seq`` out of the cache: [num_layers, 2, n, kv_heads, head_dim] on CPU.
+                alloc: Callable[[int], torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+        """Copy positions start..num_positions-1 of ``seq`` out of the cache (``start`` a multiple of the
+        block size): [num_layers, 2, num_positions - start, kv_heads, head_dim] on CPU.
 
         Copies whole blocks, one slice copy per run of consecutive block ids, not slot by slot.
         ``alloc(nbytes)`` gives the CPU memory to copy into (a uint8 tensor of ``nbytes``; default: a new
         tensor)."""
-        runs, cache = self._runs(seq, num_positions), self.kv_cache
-        shape = (*cache.shape[:2], num_positions, *cache.shape[4:])
+        runs, cache = self._runs(seq, num_positions, start), self.kv_cache
+        shape = (*cache.shape[:2], num_positions - start, *cache.shape[4:])
         host = None if alloc is None else alloc(math.prod(shape) * cache.element_size()).view(cache.dtype).view(shape)
         out = host if host is not None and cache.device.type == "cpu" else torch.empty(
             shape, dtype=cache.dtype, device=cache.device)
@@ -138,9 +142,9 @@ class ModelRunner:
             host.copy_(out)
         return host
 
-    def write_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
-        """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions 0..n-1 of ``seq``, one slice
-        copy per run of consecutive block ids."""
+    def write_kv(self, seq: Sequence, kv: torch.Tensor, start: int = 0) -> None:
+        """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions start..start+n-1 of ``seq``
+        (``start`` a multiple of the block size), one slice copy per run of consecutive block ids."""
         kv = kv.to(device=self.kv_cache.device, dtype=self.kv_cache.dtype)
-        for p0, p1, block in self._runs(seq, kv.shape[2]):
+        for p0, p1, block in self._runs(seq, start + kv.shape[2], start):
             self._blocks(p0, p1, block).copy_(kv[:, :, p0:p1])

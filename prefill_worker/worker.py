@@ -49,13 +49,15 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         self.kv_sender = kv_sender
         self.kv_buffers = HostBuffers()
         self.host = EngineHost(engine, self._on_outputs)
+        self._kv_skip: dict[str, int] = {}  # request id -> prompt tokens its decode worker holds
         self._pushes: set[asyncio.Task] = set()
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         wall = time.time_ns()
         for out in outputs:
             seq = out.seq
-            payload = None if seq.is_finished else self.engine.extract_kv(seq, self.kv_buffers.take)
+            skip = self._kv_skip.pop(seq.request_id, 0)
+            payload = None if seq.is_finished else self.engine.extract_kv(seq, self.kv_buffers.take, skip)
             if payload is not None:
                 payload.first_token_unix_ns = wall
             self.host.streams.put(seq.request_id, PrefillDone(
@@ -67,13 +69,16 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         (the KV lease) and ends with a ``kv_push_error`` message when the push failed. A caller
         that goes away does not stop a push under way."""
         rid = request.request_id
-        q = await admit_prompt(self.host, request, context)
+        if request.kv_skip_tokens:
+            self._kv_skip[rid] = request.kv_skip_tokens  # read on the engine thread when the prefill ends
         try:
+            q = await admit_prompt(self.host, request, context)
             done = await q.get()
         except asyncio.CancelledError:
             await abort_quietly(self.host.loop, rid)
             raise
         finally:
+            self._kv_skip.pop(rid, None)
             self.host.streams.close(rid)
         if isinstance(done, ErrorEvent):
             await context.abort(grpc.StatusCode.INTERNAL, done.message)

@@ -22,6 +22,7 @@ from pdserve.router.validation import ValidatedRequest
 KV_TIMEOUT_S = 300.0  # decode's last-resort wait for a KV; a lost KV lease (kv_lease.py) ends it at once instead
 MAX_MIGRATIONS = 2  # per request
 MIGRATION_WAIT_S = 4.0  # for a live worker to appear; an unsavable stream still ends within ~5 s
+CACHED_TOKENS_KEY = "x-pdserve-cached-tokens"  # decode_worker/worker.py: prompt tokens it holds for the KV
 ROUTE_WAIT_S = 10.0  # a new request waits this long (at most its deadline) for a pool that has no live worker
 log = logging.getLogger(__name__)
 
@@ -169,16 +170,17 @@ class SplitBackend:
         prefill_w.active_requests += 1
         decode_w.active_requests += 1
         decode_w.routed_blocks_since_poll += _blocks(n + 1, decode_w.block_size)
-        decode_call = decode_w.decode.Decode(
-            worker_pb2.DecodeRequest(request_id=request_id, kv_timeout_s=KV_TIMEOUT_S), timeout=timeout)
+        decode_call = decode_w.decode.Decode(worker_pb2.DecodeRequest(
+            request_id=request_id, kv_timeout_s=KV_TIMEOUT_S, prompt_token_ids=prompt), timeout=timeout)
         state.calls.append(decode_call)
         current, prefill_call = decode_w, None  # whose call a failure comes from
         try:
-            await decode_call.initial_metadata()  # the decode worker now waits for this request's KV
+            # the decode worker now waits for this request's KV, holding the prefix it has cached
+            held = dict(await decode_call.initial_metadata()).get(CACHED_TOKENS_KEY, "0")
             t_prefill = time.monotonic_ns()
             prefill_call = prefill_w.prefill.Prefill(worker_pb2.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                decode_address=decode_w.address), timeout=timeout)
+                decode_address=decode_w.address, kv_skip_tokens=int(held)), timeout=timeout)
             state.calls.append(prefill_call)
             try:
                 current = prefill_w

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import msgpack
@@ -36,7 +36,7 @@ from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, _is_in
 __all__ = ["FORMAT_VERSION", "MAGIC", "PREFIX_BYTES", "Buffer", "Frame", "KvCodecError", "KvDecoder", "KvLimits",
            "KvPayload", "ModelFingerprint", "crc32", "encode_kv", "frame_parts", "pack_kv", "unpack_kv"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the KV may start after a prefix the receiver holds (kv_start, prefix_hashes)
 MAGIC = b"PDKV"
 _PREFIX = struct.Struct("<4sI")
 PREFIX_BYTES = _PREFIX.size  # 8
@@ -47,7 +47,9 @@ _SLICE = 1 << 20  # tensor bytes are checksummed then copied in slices of this s
 _HEADER_TYPES: dict[str, type] = {
     "request_id": str, "fingerprint": dict, "dtype": str, "shape": list, "token_ids": list,
     "first_token": int, "first_token_unix_ns": int, "sampling": dict, "nbytes": int, "checksum": int,
+    "kv_start": int, "prefix_hashes": list,
 }
+PREFIX_HASH_BYTES = 16  # engine/scheduling/prefix_hash.py
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,13 @@ class KvLimits:
 class KvPayload:
     """KV cache of a prefilled prompt plus the state needed to continue decoding.
 
-    ``kv`` has shape ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``
-    (index 0 on dim 1 is K, 1 is V) and dtype ``fingerprint.dtype``;
-    ``len(token_ids) == num_tokens``.  ``first_token`` is the token sampled by
-    prefill; it is not in ``token_ids`` and its KV is not included.  ``sampling``
-    holds only msgpack-able values (ints, floats, str, lists, dicts, None).
+    ``kv`` has shape ``[num_layers, 2, num_tokens - kv_start, num_kv_heads, head_dim]``
+    (index 0 on dim 1 is K, 1 is V) and dtype ``fingerprint.dtype``, where
+    ``num_tokens = len(token_ids)``: the KV of positions ``kv_start ..``. The positions before
+    ``kv_start`` (whole blocks) are a prefix the receiver said it holds; ``prefix_hashes`` names
+    those blocks (``engine.scheduling.prefix_hash``), so the receiver checks it holds exactly them.
+    ``first_token`` is the token sampled by prefill; it is not in ``token_ids`` and its KV is not
+    included.  ``sampling`` holds only msgpack-able values (ints, floats, str, lists, dicts, None).
     """
 
     request_id: str
@@ -77,6 +81,8 @@ class KvPayload:
     sampling: dict
     kv: torch.Tensor
     first_token_unix_ns: int = 0  # wall clock when prefill sampled first_token (KV transfer timing)
+    kv_start: int = 0
+    prefix_hashes: list[bytes] = field(default_factory=list)
 
 
 def _check_shape(shape: list, fp: ModelFingerprint, num_tokens: int) -> None:
@@ -87,6 +93,15 @@ def _check_shape(shape: list, fp: ModelFingerprint, num_tokens: int) -> None:
         raise KvCodecError(f"shape {list(shape)} does not match fingerprint/token count {want}")
     if num_tokens < 1:
         raise KvCodecError("payload carries no tokens")
+
+
+def _check_prefix(kv_start: int, hashes: list, fp: ModelFingerprint, num_tokens: int) -> None:
+    if num_tokens and not 0 <= kv_start < num_tokens:  # (no tokens at all: _check_shape says so)
+        raise KvCodecError(f"kv_start {kv_start} outside [0, {num_tokens})")
+    if kv_start != len(hashes) * fp.block_size:
+        raise KvCodecError(f"kv_start {kv_start} is not {len(hashes)} prefix blocks of {fp.block_size} tokens")
+    if not all(isinstance(h, bytes) and len(h) == PREFIX_HASH_BYTES for h in hashes):
+        raise KvCodecError(f"prefix_hashes must be {PREFIX_HASH_BYTES}-byte strings")
 
 
 def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
@@ -102,7 +117,8 @@ def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
     if payload.kv.dtype != _DTYPES.get(fp.dtype):
         raise KvCodecError(f"kv dtype {payload.kv.dtype} does not match fingerprint dtype {fp.dtype!r}")
     token_ids = [int(t) for t in payload.token_ids]
-    _check_shape(list(payload.kv.shape), fp, len(token_ids))
+    _check_prefix(payload.kv_start, payload.prefix_hashes, fp, len(token_ids))
+    _check_shape(list(payload.kv.shape), fp, len(token_ids) - payload.kv_start)
     flat = payload.kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     data = memoryview(flat.numpy()).toreadonly()
     header = {
@@ -111,6 +127,7 @@ def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
         "first_token": int(payload.first_token), "first_token_unix_ns": int(payload.first_token_unix_ns),
         "sampling": payload.sampling,
         "nbytes": data.nbytes, "checksum": crc32(data),
+        "kv_start": int(payload.kv_start), "prefix_hashes": [bytes(h) for h in payload.prefix_hashes],
     }
     try:
         hdr = msgpack.packb(header, use_bin_type=True)
@@ -169,7 +186,8 @@ def _parse_header(raw: Buffer, expected: ModelFingerprint, limits: KvLimits) -> 
         raise KvCodecError(f"dtype {dtype_name} does not match fingerprint dtype {fp.dtype}")
     dtype = header["torch_dtype"] = _DTYPES[dtype_name]
     shape = header["shape"]
-    _check_shape(shape, fp, len(token_ids))
+    _check_prefix(header["kv_start"], header["prefix_hashes"], fp, len(token_ids))
+    _check_shape(shape, fp, len(token_ids) - header["kv_start"])
     if shape[2] > limits.max_tokens:
         raise KvCodecError(f"too many tokens: {shape[2]} > limit {limits.max_tokens}")
     nbytes = header["nbytes"]
@@ -258,7 +276,7 @@ class KvDecoder:
             raise KvCodecError(f"checksum mismatch: header {h['checksum']:#010x}, data {self._crc:#010x}")
         kv = self._buf.view(h["torch_dtype"]).reshape(h["shape"])
         return KvPayload(h["request_id"], h["fingerprint"], h["token_ids"], h["first_token"], h["sampling"], kv,
-                         h["first_token_unix_ns"])
+                         h["first_token_unix_ns"], h["kv_start"], h["prefix_hashes"])
 
 
 def unpack_kv(data: Frame, expected: ModelFingerprint, limits: KvLimits = KvLimits()) -> KvPayload:

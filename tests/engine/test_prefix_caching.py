@@ -139,3 +139,39 @@ def test_prefix_hashes_chain_on_the_parent() -> None:
     assert len(a) == 3 and len(set(a)) == 3
     assert all(x != y for x, y in zip(a, b))  # one changed token renames every later block
     assert prefix_hashes(list(range(40)), 16) == a[:2]
+
+
+def test_a_pinned_prefix_lets_the_payload_leave_it_out(embedded_dir, shared_prefix) -> None:
+    """Prefill engine -> decode engine with the decode side holding a prefix: same tokens, fewer
+    positions sent, and a payload naming a prefix the receiver does not hold is refused."""
+    from pdserve.engine.kv.codec import pack_kv, unpack_kv
+
+    prefill, decode = make_engine(embedded_dir), make_engine(embedded_dir)
+    prompt = shared_prefix + [1, 2, 3]
+    seq = decode.add_request("warm", shared_prefix, GREEDY)
+    while decode.has_work():
+        decode.step()
+    assert decode.pin_prefix("r", prompt) == 3 * BS
+    used = decode.blocks.num_used
+    assert used == 3  # the held blocks are referenced, so no allocation can evict them
+    p = _prefilled(prefill, "r", prompt)
+    payload = unpack_kv(pack_kv(prefill.extract_kv(p, skip_tokens=3 * BS)), decode.fingerprint)
+    assert payload.kv_start == 3 * BS and payload.kv.shape[2] == len(prompt) - 3 * BS
+    wrong = unpack_kv(pack_kv(prefill.extract_kv(_prefilled(prefill, "x", prompt), skip_tokens=3 * BS)),
+                      decode.fingerprint)
+    with pytest.raises(ValueError, match="holds no such prefix"):
+        decode.admit_kv(wrong)  # request "x" has no prefix held
+    out = decode.admit_kv(payload)
+    assert out.num_cached_tokens == 3 * BS
+    while decode.has_work():
+        decode.step()
+    assert out.output_token_ids == solo(embedded_dir, prompt)
+    decode.unpin("r")
+    assert decode.blocks.num_used == 0 and prefill.blocks.num_used == 0
+    assert seq.is_finished
+
+
+def _prefilled(engine: Engine, rid: str, prompt: list[int]):
+    seq = engine.add_request(rid, prompt, GREEDY)
+    engine.step()
+    return seq

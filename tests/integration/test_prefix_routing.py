@@ -56,3 +56,18 @@ async def test_a_conversation_follows_its_prefix_across_colocated_workers(embedd
         hits = [(await stats(w.address)).prefix_hit_tokens for w in pipe.workers]
         # every later turn found all the earlier turn's prompt blocks: they all went to one worker
         assert sorted(hits) == [0, sum((len(t) - 24) // 16 * 16 for t in turns[1:])]
+
+
+async def test_the_push_leaves_out_the_blocks_the_decode_worker_holds(embedded_dir):
+    rng = random.Random(13)
+    first_ids = [rng.randrange(1, 1000) for _ in range(100)]
+    second_ids = first_ids[:96] + [rng.randrange(1, 1000) for _ in range(40)]
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        first = await client.generate(greedy(first_ids))
+        second = await client.generate(greedy(second_ids))
+        for ids, res in ((first_ids, first), (second_ids, second)):
+            assert res.token_ids == hf_greedy(embedded_dir, ids, 12)
+            assert not res.timings.prefilled_on_decode
+        # 100 positions pushed for the first; the decode worker held 6 blocks (96) of the second's 136
+        assert second.timings.kv_transfer_bytes * 100 == first.timings.kv_transfer_bytes * 40
+        assert await pipe.wait_idle() == 0  # the held prefix was handed to the request, then freed

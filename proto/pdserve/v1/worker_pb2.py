@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x90\x01\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x13\n\x0bstep_offset\x18\x07 \x01(\r\"\x86\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\"\xe8\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\x12\x12\n\nprefill_ns\x18\x04 \x01(\x04\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x05 \x01(\x04\x12.\n\rkv_push_error\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.KvPushError\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\",\n\x0bKvPushError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"+\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x0ePushKvResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"9\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x02 \x01(\x02\"p\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\"v\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x11\n\x0fGetStatsRequest\"\xb3\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_awaiting_kv\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\n \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x13WorkerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32V\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32\x8b\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x12;\n\x06PushKv\x12\x13.pdserve.v1.KvChunk\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x32V\n\x10\x43olocatedService\x12\x42\n\x08Generate\x12\x1c.pdserve.v1.ColocatedRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x32\x9b\x01\n\rWorkerService\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponseB\x84\x01\n\rio.pdserve.v1B\x0bWorkerProtoP\x01Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\xa2\x02\x03PDS\xaa\x02\nPdserve.V1\xca\x02\nPdserve\\V1\xea\x02\x0bPdserve::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x90\x01\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x13\n\x0bstep_offset\x18\x07 \x01(\r\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ekv_skip_tokens\x18\x05 \x01(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\x12\x12\n\nprefill_ns\x18\x04 \x01(\x04\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x05 \x01(\x04\x12.\n\rkv_push_error\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.KvPushError\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\",\n\x0bKvPushError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"+\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x0ePushKvResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"S\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x02 \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\"p\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\"v\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x11\n\x0fGetStatsRequest\"\xb3\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_awaiting_kv\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\n \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x13WorkerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32V\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32\x8b\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x12;\n\x06PushKv\x12\x13.pdserve.v1.KvChunk\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x32V\n\x10\x43olocatedService\x12\x42\n\x08Generate\x12\x1c.pdserve.v1.ColocatedRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x32\x9b\x01\n\rWorkerService\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponseB\x84\x01\n\rio.pdserve.v1B\x0bWorkerProtoP\x01Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\xa2\x02\x03PDS\xaa\x02\nPdserve.V1\xca\x02\nPdserve\\V1\xea\x02\x0bPdserve::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESOLVEDSAMPLING']._serialized_start=67
   _globals['_RESOLVEDSAMPLING']._serialized_end=211
   _globals['_PREFILLREQUEST']._serialized_start=214
-  _globals['_PREFILLREQUEST']._serialized_end=348
-  _globals['_PREFILLRESPONSE']._serialized_start=351
-  _globals['_PREFILLRESPONSE']._serialized_end=583
-  _globals['_KVPUSHERROR']._serialized_start=585
-  _globals['_KVPUSHERROR']._serialized_end=629
-  _globals['_KVCHUNK']._serialized_start=631
-  _globals['_KVCHUNK']._serialized_end=674
-  _globals['_PUSHKVRESPONSE']._serialized_start=676
-  _globals['_PUSHKVRESPONSE']._serialized_end=716
-  _globals['_DECODEREQUEST']._serialized_start=718
-  _globals['_DECODEREQUEST']._serialized_end=775
-  _globals['_COLOCATEDREQUEST']._serialized_start=777
-  _globals['_COLOCATEDREQUEST']._serialized_end=889
-  _globals['_TOKENBATCH']._serialized_start=891
-  _globals['_TOKENBATCH']._serialized_end=1009
-  _globals['_GETSTATSREQUEST']._serialized_start=1011
-  _globals['_GETSTATSREQUEST']._serialized_end=1028
-  _globals['_WORKERSTATS']._serialized_start=1031
-  _globals['_WORKERSTATS']._serialized_end=1338
-  _globals['_WORKERABORTREQUEST']._serialized_start=1340
-  _globals['_WORKERABORTREQUEST']._serialized_end=1380
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1382
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1420
-  _globals['_PREFILLSERVICE']._serialized_start=1422
-  _globals['_PREFILLSERVICE']._serialized_end=1508
-  _globals['_DECODESERVICE']._serialized_start=1511
-  _globals['_DECODESERVICE']._serialized_end=1650
-  _globals['_COLOCATEDSERVICE']._serialized_start=1652
-  _globals['_COLOCATEDSERVICE']._serialized_end=1738
-  _globals['_WORKERSERVICE']._serialized_start=1741
-  _globals['_WORKERSERVICE']._serialized_end=1896
+  _globals['_PREFILLREQUEST']._serialized_end=372
+  _globals['_PREFILLRESPONSE']._serialized_start=375
+  _globals['_PREFILLRESPONSE']._serialized_end=607
+  _globals['_KVPUSHERROR']._serialized_start=609
+  _globals['_KVPUSHERROR']._serialized_end=653
+  _globals['_KVCHUNK']._serialized_start=655
+  _globals['_KVCHUNK']._serialized_end=698
+  _globals['_PUSHKVRESPONSE']._serialized_start=700
+  _globals['_PUSHKVRESPONSE']._serialized_end=740
+  _globals['_DECODEREQUEST']._serialized_start=742
+  _globals['_DECODEREQUEST']._serialized_end=825
+  _globals['_COLOCATEDREQUEST']._serialized_start=827
+  _globals['_COLOCATEDREQUEST']._serialized_end=939
+  _globals['_TOKENBATCH']._serialized_start=941
+  _globals['_TOKENBATCH']._serialized_end=1059
+  _globals['_GETSTATSREQUEST']._serialized_start=1061
+  _globals['_GETSTATSREQUEST']._serialized_end=1078
+  _globals['_WORKERSTATS']._serialized_start=1081
+  _globals['_WORKERSTATS']._serialized_end=1388
+  _globals['_WORKERABORTREQUEST']._serialized_start=1390
+  _globals['_WORKERABORTREQUEST']._serialized_end=1430
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1432
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1470
+  _globals['_PREFILLSERVICE']._serialized_start=1472
+  _globals['_PREFILLSERVICE']._serialized_end=1558
+  _globals['_DECODESERVICE']._serialized_start=1561
+  _globals['_DECODESERVICE']._serialized_end=1700
+  _globals['_COLOCATEDSERVICE']._serialized_start=1702
+  _globals['_COLOCATEDSERVICE']._serialized_end=1788
+  _globals['_WORKERSERVICE']._serialized_start=1791
+  _globals['_WORKERSERVICE']._serialized_end=1946
 # @@protoc_insertion_point(module_scope)

@@ -26,16 +26,18 @@ class ResolvedSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., step_offset: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_skip_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    kv_skip_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "finish_reason", "queue_ns", "prefill_ns", "first_token_unix_ns", "kv_push_error", "cached_prompt_tokens")
@@ -78,12 +80,14 @@ class PushKvResponse(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_timeout_s")
+    __slots__ = ("request_id", "kv_timeout_s", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
