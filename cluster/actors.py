@@ -92,6 +92,10 @@ class RouterActor:
         http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
         return f"{host}:{r.address.rsplit(':', 1)[1]}", http
 
+    async def worker_restarting(self, address: str) -> None:
+        """The worker at ``address`` died and Ray is restarting it."""
+        self.running.core.pool.restarting(address)
+
     async def replace_worker(self, old: str, new: str, role: str) -> None:
         """A restarted worker serves at ``new`` instead of ``old``."""
         await self.running.core.pool.replace(old, new, role)

@@ -78,6 +78,7 @@ class Supervisor:
                 w.down_since = time.monotonic()
                 log.warning("%s worker %s is down (%s); waiting for Ray to restart it", w.role, w.address,
                             type(exc).__name__)
+                self.router.worker_restarting.remote(w.address)  # its requests wait for it, not fail
             return
         if address is not None:
             return

@@ -90,11 +90,12 @@ def _route_wait(timeout: float | None) -> float:
 
 
 async def wait_for_workers(pool: WorkerPool, wait_s: float) -> bool:
-    """Whether every pool has a healthy worker, waiting up to ``wait_s`` for one to come back (a
-    restarted worker takes a few seconds; until then requests wait here instead of failing)."""
+    """Whether every pool has a healthy worker, waiting up to ``wait_s`` for one to come back, or
+    longer while the cluster says a worker is being restarted (``WorkerPool.restarting``: a restart
+    takes a few seconds, more on a busy machine; until then requests wait here instead of failing)."""
     deadline = time.monotonic() + wait_s
     while pool.roles_without_healthy_worker():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and not pool.restart_pending():
             return False
         await asyncio.sleep(0.05)
     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -23,6 +24,7 @@ ROUTING_POLICIES = ("least-loaded", "prefix-aware")
 # rule: both an absolute and a relative gap in requests held).
 BALANCE_ABS_REQUESTS = 8
 BALANCE_REL = 1.5
+RESTART_WAIT_S = 30.0  # how long a worker Ray is restarting keeps requests waiting for it (migrations included)
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -106,6 +108,7 @@ class WorkerPool:
             raise ValueError(f"unknown routing policy {routing!r}; choose {' or '.join(ROUTING_POLICIES)}")
         self.routing = routing
         self.prefix = PrefixIndex()
+        self._restarting: dict[str, float] = {}  # address -> monotonic time until which its restart is awaited
         self.workers = ([WorkerHandle.connect("prefill", a) for a in prefill]
                         + [WorkerHandle.connect("decode", a) for a in decode]
                         + [WorkerHandle.connect("both", a) for a in both])
@@ -210,8 +213,18 @@ class WorkerPool:
 
         await asyncio.gather(*(one(w) for w in self.workers))
 
+    def restarting(self, address: str) -> None:
+        """The worker at ``address`` died and Ray is restarting it: requests that need its pool wait
+        for it (``restart_pending``) for up to ``RESTART_WAIT_S`` instead of failing."""
+        self._restarting[address] = time.monotonic() + RESTART_WAIT_S
+
+    def restart_pending(self) -> bool:
+        now = time.monotonic()
+        return any(t > now for t in self._restarting.values())
+
     async def replace(self, old: str, new: str, role: str) -> None:
         """The worker that served at ``old`` (dead) now serves at ``new``: route to it from now on."""
+        self._restarting.pop(old, None)
         fresh = WorkerHandle.connect(role, new)
         self.prefix.forget(old)  # a restarted worker's cache is empty
         for i, w in enumerate(self.workers):

@@ -101,10 +101,15 @@ def test_killed_workers_come_back_without_a_router_restart(split_cluster):
     import time
 
     cluster = split_cluster
+    calls: list[int] = []
 
     async def generate_once(client) -> bool:
         try:
-            res = await client.generate(make_request("Once upon a time", max_tokens=4, temperature=0), timeout=10)
+            # a new prompt, longer than --local-prefill-tokens and with no cached prefix: the prefill
+            # worker must serve it, not the decode worker (conditional disaggregation)
+            calls.append(len(calls))
+            res = await client.generate(make_request(f"{len(calls)} Once upon a time " * 12, max_tokens=4,
+                                                     temperature=0), timeout=10)
         except grpc.aio.AioRpcError:
             return False
         return not res.error and len(res.token_ids) == 4
