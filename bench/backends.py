@@ -115,6 +115,8 @@ class GrpcBackend:
                     t = c.timings
                     rec.queue_s, rec.prefill_s = t.queue_ns / 1e9, t.prefill_ns / 1e9
                     rec.kv_transfer_s, rec.decode_s = t.kv_transfer_ns / 1e9, t.decode_ns / 1e9
+                    rec.kv_transfer_bytes, rec.prefilled_on_decode = t.kv_transfer_bytes, t.prefilled_on_decode
+                    rec.cached_prompt_tokens = t.cached_prompt_tokens
                 else:
                     rec.finish_reason, rec.error = "error", f"{msg.error.code}: {msg.error.message}"
         except grpc.aio.AioRpcError as exc:

@@ -162,6 +162,10 @@ def print_summary(summary: dict, title: str) -> None:
         line += (f"; SLO TTFT {summary['slo']['ttft_s'] * 1e3:.0f} ms + TPOT {summary['slo']['tpot_s'] * 1e3:.0f} ms: "
                  f"attainment {summary['slo_attainment'] * 100:.0f}%, goodput {summary['goodput']:.2f} req/s")
     console.print(line)
+    if summary.get("kv_transfer_bytes") or summary.get("prefilled_on_decode"):
+        console.print(f"KV moved prefill -> decode: {summary['kv_transfer_bytes'] / 1e6:.1f} MB; prefilled on the "
+                      f"decode worker (no KV moved): {summary['prefilled_on_decode']} requests; prompt tokens "
+                      f"from prefix caches: {summary['cached_prompt_tokens']}", highlight=False)
     console.print(format_prefix_cache(summary.get("prefix_cache")), highlight=False, soft_wrap=True)
 
 

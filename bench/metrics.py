@@ -52,6 +52,9 @@ class RequestRecord:
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0
     decode_s: float = 0.0
+    kv_transfer_bytes: int = 0  # pushed from prefill to decode (pdserve split placement)
+    prefilled_on_decode: bool = False  # pdserve split: the decode worker prefilled it (no KV moved)
+    cached_prompt_tokens: int = 0  # prompt tokens served from a worker's prefix cache
 
     @property
     def output_tokens(self) -> int:
@@ -187,6 +190,9 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
         "output_token_throughput": _rate(sum(r.output_tokens for r in ok), duration, n),
         "total_token_throughput": _rate(sum(r.prompt_tokens + r.output_tokens for r in ok), duration, n),
         "breakdown_s": {k: _mean(getattr(r, f"{k}_s") for r in ok) for k in BREAKDOWN_KEYS},
+        "kv_transfer_bytes": sum(r.kv_transfer_bytes for r in ok),
+        "prefilled_on_decode": sum(r.prefilled_on_decode for r in ok),
+        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in ok),
     }
     if slo is not None:
         good = sum(1 for r in records if slo.met(r))

@@ -251,3 +251,13 @@ def test_prefix_cache_report_without_counters_is_na():
     assert prefix_cache_report(None, None) is None
     assert prefix_cache_report([W("both", "a:1", 0, 0)], None) is None
     assert format_prefix_cache(None).startswith("prefix cache hit rate: n/a")
+
+
+def test_summary_counts_kv_moved_and_decode_side_prefills_of_completed_requests():
+    a, b, failed = rec([0.1, 0.2], index=0), rec([0.1, 0.2], index=1), rec([0.1], index=2)
+    a.kv_transfer_bytes, a.cached_prompt_tokens = 4096, 32
+    b.prefilled_on_decode, b.cached_prompt_tokens = True, 16
+    failed.kv_transfer_bytes, failed.error = 999, "boom"
+    s = summarize([a, b, failed])
+    assert (s["kv_transfer_bytes"], s["prefilled_on_decode"], s["cached_prompt_tokens"]) == (4096, 1, 48)
+    assert RequestRecord.from_json(json.loads(json.dumps(b.to_json()))).prefilled_on_decode
