@@ -51,6 +51,7 @@ def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
     if port_number == 0:
         return
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME-WAIT is no conflict
         try:
             s.bind((host, port_number))
         except OSError as exc:

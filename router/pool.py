@@ -62,6 +62,7 @@ class WorkerHandle:
     num_waiting: int = 0
     used_kv_blocks: int = 0
     fingerprint: str = ""  # of the model it serves (WorkerStats.model_fingerprint)
+    cached_kv_blocks: int = -1  # from the last poll; 0 on a worker without prefix caching (-1: not polled yet)
 
     @classmethod
     def connect(cls, role: str, address: str) -> "WorkerHandle":
@@ -148,7 +149,10 @@ class WorkerPool:
 
     def cached_tokens(self, w: WorkerHandle, n: int, hashes: list[BlockHash]) -> int:
         """Prompt tokens of ``n`` that ``w`` is believed to hold (never the last one: it is computed;
-        0 when ``hashes`` is empty, as under least-loaded routing)."""
+        0 when ``hashes`` is empty, as under least-loaded routing, or the worker caches nothing,
+        as with --no-prefix-caching)."""
+        if w.cached_kv_blocks == 0:
+            return 0
         return min(self.prefix.overlap(w.address, hashes) * self.block_size, (n - 1) // self.block_size * self.block_size)
 
     def _pick_by_tokens(self, ws: list[WorkerHandle], n: int, hashes: list[BlockHash]) -> WorkerHandle:
@@ -210,6 +214,7 @@ class WorkerPool:
             w.total_kv_blocks = s.free_kv_blocks + s.used_kv_blocks
             w.num_running, w.num_waiting, w.used_kv_blocks = s.num_running, s.num_waiting + s.num_awaiting_kv, s.used_kv_blocks
             w.fingerprint = s.model_fingerprint
+            w.cached_kv_blocks = s.cached_kv_blocks
 
         await asyncio.gather(*(one(w) for w in self.workers))
 

@@ -103,3 +103,15 @@ def test_index_entries_expire_and_stay_bounded() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         WorkerPool([], [], [], routing="random")
+
+
+async def test_a_worker_that_caches_nothing_is_never_credited_with_a_prefix() -> None:
+    """--no-prefix-caching workers report 0 cached blocks: the index must not send them a long
+    prompt as if it were cached (nor to be prefilled on decode)."""
+    pool = make_pool(role="decode")
+    holder = next(w for w in pool.workers if w.role == "decode")
+    p = conversation(3)
+    pool.served(holder, p)
+    assert pool.cached_tokens(holder, len(p), pool.prefix_of(p)) > 0
+    holder.cached_kv_blocks = 0
+    assert pool.cached_tokens(holder, len(p), pool.prefix_of(p)) == 0
