@@ -12,7 +12,7 @@ from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.scheduling.sequence import Sequence
-from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens
+from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens, submit_quietly
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
@@ -20,13 +20,6 @@ CACHED_TOKENS_KEY = "x-pdserve-cached-tokens"  # Decode's initial metadata: prom
 PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
                     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
                     (KvCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED))
-
-
-async def _submit_quietly(loop, fn) -> None:
-    try:
-        await asyncio.wrap_future(loop.submit(fn))
-    except RuntimeError:  # the engine loop has stopped
-        pass
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
@@ -131,7 +124,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             self._pending.pop(rid, None)
             self._kv_transfer.pop(rid, None)
             self.host.streams.close(rid)
-            await _submit_quietly(self.host.loop, lambda e: e.unpin(rid))
+            await submit_quietly(self.host.loop, lambda e: e.unpin(rid))
             if not finished:
                 await abort_quietly(self.host.loop, rid)
 

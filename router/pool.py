@@ -184,8 +184,9 @@ class WorkerPool:
         loads = [w.active_requests for w in ws]
         if max(loads) - min(loads) > BALANCE_ABS_REQUESTS and max(loads) > BALANCE_REL * min(loads):
             return min(ws, key=lambda w: (w.active_requests, -(w.free_kv_blocks - w.routed_blocks_since_poll)))
-        best = max(ws, key=lambda w: (self.cached_tokens(w, n, list(hashes)), w is by_room, -w.active_requests))
-        return best if self.cached_tokens(best, n, list(hashes)) else by_room
+        held = {id(w): self.cached_tokens(w, n, list(hashes)) for w in ws}
+        best = max(ws, key=lambda w: (held[id(w)], w is by_room, -w.active_requests))
+        return best if held[id(best)] else by_room
 
     def pick_colocated(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
         """The colocated worker for an ``n``-token prompt (see the class docstring)."""

@@ -148,12 +148,17 @@ async def admit_prompt(host: EngineHost, request, context: grpc.aio.ServicerCont
     return q
 
 
-async def abort_quietly(loop: EngineLoop, request_id: str) -> None:
-    """Abort a request on the engine (frees its blocks); ignores a stopped loop."""
+async def submit_quietly(loop: EngineLoop, fn) -> None:
+    """Run ``fn(engine)`` on the engine thread and wait for it; ignores a stopped loop."""
     try:
-        await asyncio.wrap_future(loop.submit(lambda e: e.abort(request_id)))
+        await asyncio.wrap_future(loop.submit(fn))
     except RuntimeError:
         pass
+
+
+async def abort_quietly(loop: EngineLoop, request_id: str) -> None:
+    """Abort a request on the engine (frees its blocks); ignores a stopped loop."""
+    await submit_quietly(loop, lambda e: e.abort(request_id))
 
 
 @dataclass
