@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ipaddress
 import json
@@ -11,117 +10,11 @@ import socket
 import time
 from pathlib import Path
 
-from pdserve.engine.host.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
-from pdserve.bench.metrics import SLO, RequestRecord, format_prefix_cache, json_safe, prefix_cache_report, summarize
-from pdserve.bench.mooncake import BLOCK_TOKENS
-from pdserve.bench.prompts import PROMPT_SETS, RANDOM_PROMPTS, BlockPrompts, make_prompt_pool
-from pdserve.bench.workload import (TRACES, RequestSpec, build_workload, clip_lengths, fix_lengths, gamma_arrivals,
-                            load_trace, poisson_arrivals, sample_rows, scale_to_rate, window)
-
-DEFAULT_PROMPTS = "sharegpt,belle-zh"
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """Flags that define the requests (shared by bench and compare)."""
-    g = p.add_argument_group("workload")
-    g.add_argument("--arrival", choices=["trace", "poisson", "gamma"], default="trace",
-                   help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: synthetic at --rate")
-    g.add_argument("--trace", default=None,
-                   help=f"{', '.join(TRACES)}, a CSV path or a Mooncake .jsonl path; also the length source "
-                        f"(default azure-conv); mooncake traces also shape shared prompt prefixes")
-    g.add_argument("--trace-start", type=non_negative_float, default=0.0, help="window start in the trace, s")
-    g.add_argument("--duration", type=positive_float, default=None, help="window length in the trace, s")
-    g.add_argument("--num-requests", type=positive_int, default=20, help="requests to send (cut of the window)")
-    g.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
-    g.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply trace token counts (fit small hardware)")
-    g.add_argument("--max-input-tokens", type=positive_int, default=None)
-    g.add_argument("--max-output-tokens", type=positive_int, default=None)
-    g.add_argument("--input-len", type=positive_int, default=None,
-                   help="every prompt exactly this many tokens (instead of the trace's lengths; not scaled)")
-    g.add_argument("--output-len", type=positive_int, default=None,
-                   help="every request exactly this many output tokens (instead of the trace's; not scaled)")
-    g.add_argument("--prompts", default=None,
-                   help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}; or {RANDOM_PROMPTS} "
-                        f"(random token ids, no dataset needed); default {DEFAULT_PROMPTS}")
-    g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
-    g.add_argument("--seed", type=non_negative_int, default=0)
-
-
-def add_slo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="TTFT SLO, ms")
-    p.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="TPOT SLO, ms")
-
-
-SYNTHETIC_INPUT_LEN, SYNTHETIC_OUTPUT_LEN, SYNTHETIC_RATE = 256, 64, 1.0
-
-
-def fall_back_without_datasets(args) -> str | None:
-    """Fill in the default trace and prompt sets, unless they would be read from a datasets folder
-    that is not there (a fresh install, run from any folder, with no --datasets-dir or
-    $PDSERVE_DATASETS) and the user chose neither: then switch ``args`` to a synthetic workload that
-    needs no file (Poisson arrivals, random-token prompts, 256 tokens in and 64 out unless given).
-    Returns the note to print about that switch, or None. A trace or prompt set the user named is
-    never replaced: reading it then fails with a message that says where it was looked for."""
-    from pdserve.bench.workload import resolve_datasets_dir
-
-    chose = args.trace is not None or args.prompts is not None
-    args.trace = args.trace or "azure-conv"
-    args.prompts = args.prompts or DEFAULT_PROMPTS
-    if chose or args.datasets_dir is not None or resolve_datasets_dir().is_dir():
-        return None
-    reads_trace = args.arrival == "trace" or args.input_len is None or args.output_len is None
-    if not reads_trace and args.prompts == RANDOM_PROMPTS:
-        return None
-    if args.arrival == "trace":
-        args.arrival = "poisson"
-        args.rate = getattr(args, "rate", None) or SYNTHETIC_RATE
-    args.prompts = RANDOM_PROMPTS
-    args.input_len = args.input_len or SYNTHETIC_INPUT_LEN
-    args.output_len = args.output_len or SYNTHETIC_OUTPUT_LEN
-    return (f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS or ../shared/datasets): running a "
-            f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
-            f"{args.output_len} output tokens each (trace options such as --length-scale do not apply); name "
-            f"--trace/--prompts to insist on a dataset")
-
-
-def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
-    """The request list for one run. The same args give the same lengths and prompts at every rate;
-    only the send times change with ``rate`` (req/s).
-
-    ``--input-len``/``--output-len`` fix the lengths exactly; with both and a synthetic arrival
-    process the trace is not read, and with ``--prompts random`` no dataset is needed at all. A
-    trace with hash ids (Mooncake) builds the prompts from blocks of ``512 * --length-scale``
-    tokens (rounded), one per id, so its shared prefixes stay shared."""
-    args.trace = args.trace or "azure-conv"
-    args.prompts = args.prompts or DEFAULT_PROMPTS
-    fixed = args.input_len is not None and args.output_len is not None
-    if args.arrival == "trace" or not fixed:
-        rows = window(load_trace(args.trace, args.datasets_dir), args.trace_start, args.duration, args.num_requests)
-        if not rows:
-            raise ValueError(f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) "
-                             f"holds no requests")
-    if args.arrival == "trace":
-        if rate:
-            rows = scale_to_rate(rows, rate)
-        arrivals = [r.t_s for r in rows]
-    else:
-        if not rate:
-            raise ValueError(f"--arrival {args.arrival} needs --rate")
-        n = args.num_requests
-        arrivals = (poisson_arrivals(rate, n, args.seed) if args.arrival == "poisson"
-                    else gamma_arrivals(rate, n, args.burstiness, args.seed))
-        rows = None if fixed else sample_rows(rows, n, args.seed)
-    lengths = ([(args.input_len, args.output_len)] * len(arrivals) if rows is None
-               else [(r.input_tokens, r.output_tokens) for r in rows])
-    if not fixed:
-        lengths = [clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens,
-                                args.max_output_tokens) for i, o in lengths]
-    lengths = fix_lengths(lengths, max_model_len, args.input_len, args.output_len)
-    pool = make_prompt_pool(args.prompts, tokenizer, args.seed, args.datasets_dir)
-    if rows is None or not any(r.hash_ids for r in rows):
-        return build_workload(arrivals, lengths, pool, args.seed)
-    blocks = BlockPrompts(pool, max(1, round(BLOCK_TOKENS * args.length_scale)), args.seed)
-    return build_workload(arrivals, lengths, blocks, args.seed, [r.hash_ids for r in rows])
+from pdserve.bench.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets
+from pdserve.engine.host.cli_args import positive_float
+from pdserve.bench.metrics import (SLO, RequestRecord, format_prefix_cache, json_safe, prefix_cache_report,
+                                   prefix_reuse_ceiling, summarize)
+from pdserve.bench.workload import RequestSpec
 
 
 def is_loopback(address: str) -> bool:
@@ -255,6 +148,8 @@ def cmd_bench(args) -> int:
             records, interrupted = await bench_once(backend, specs, "bench", args.max_duration, args.temperature)
             elapsed = time.perf_counter() - t0
             prefix_cache = prefix_cache_report(before, await backend.prefix_counters())
+            if prefix_cache is not None:
+                prefix_cache["ceiling"] = prefix_reuse_ceiling([s.prompt_token_ids for s in specs])
         slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
         summary = summarize(records, slo, duration_s=elapsed if interrupted else None)

@@ -243,6 +243,26 @@ def prefix_cache_report(before: Sequence[WorkerPrefixCounters] | None,
     return {"workers": workers, "query_tokens": query, "hit_tokens": hit, "hit_rate": _hit_rate(hit, query)}
 
 
+def prefix_reuse_ceiling(prompts: Sequence[Sequence[int]], block_size: int = 16) -> float:
+    """The prefix-cache hit rate (hit / prompt tokens) of an infinite cache of ``block_size``-token
+    blocks over ``prompts`` sent in order: each prompt hits its longest run of full blocks that an
+    earlier prompt began with. The most any cache size or routing can reach on these requests;
+    0.0 for no tokens. ValueError for ``block_size < 1``."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    seen: set[int] = set()
+    hit = total = 0
+    for ids in prompts:
+        keys, key = [], 0
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            key = hash((key, tuple(ids[start:start + block_size])))  # chained on the blocks before it
+            keys.append(key)
+        hit += block_size * next((i for i, k in enumerate(keys) if k not in seen), len(keys))
+        total += len(ids)
+        seen.update(keys)
+    return hit / total if total else 0.0
+
+
 def format_prefix_cache(report: dict | None) -> str:
     """Lines for the printed summary: each worker's hit rate (``n/a`` where it admitted no prompt),
     then all workers', or one ``n/a`` line with the reason when there is no ``report``."""
@@ -256,8 +276,10 @@ def format_prefix_cache(report: dict | None) -> str:
         return f"{d['hit_rate'] * 100:.1f}% ({d['hit_tokens']:,} / {d['query_tokens']:,})"
 
     lines = [f"  {w['role']} {w['address']}: {rate(w)}" for w in report["workers"]]
-    return "\n".join(["prefix cache hit rate (cached / admitted prompt tokens):", *lines,
-                      f"  all workers: {rate(report)}"])
+    lines.append(f"  all workers: {rate(report)}")
+    if report.get("ceiling") is not None:
+        lines.append(f"  ceiling of these prompts (an infinite cache of 16-token blocks): {report['ceiling'] * 100:.1f}%")
+    return "\n".join(["prefix cache hit rate (cached / admitted prompt tokens):", *lines])
 
 
 def json_safe(obj: Any) -> Any:

@@ -12,6 +12,7 @@ Pure standard library; never imports torch or ray.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -19,9 +20,28 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["BLOCK_TOKENS", "read_mooncake_trace", "spread_ties"]
+__all__ = ["BLOCK_TOKENS", "CONVERSATION_KEY_BLOCKS", "in_conversation_sample", "read_mooncake_trace",
+           "spread_ties"]
 
 BLOCK_TOKENS = 512  # prompt tokens named by one hash id
+CONVERSATION_KEY_BLOCKS = 2  # the leading hash ids that name a request's conversation (see in_conversation_sample)
+
+
+def in_conversation_sample(hash_ids: Sequence[int], rate: float, seed: int = 0) -> bool:
+    """Whether a request belongs to a spatially hashed sample of conversations, at ``rate`` (0, 1].
+
+    The key is the first :data:`CONVERSATION_KEY_BLOCKS` hash ids (the shared system-prompt block
+    and the conversation's first own block in the conversation trace): every turn of a kept
+    conversation is kept, so prefix reuse inside a conversation survives the cut, where the first
+    ``n`` rows of the trace mostly hold first turns. The request is kept when
+    ``sha256(seed, key) / 2**256 < rate`` — SHARDS' spatial sampling (Waldspurger et al.,
+    "Efficient MRC Construction with SHARDS", FAST 2015), keyed on conversations instead of
+    cache keys. ValueError for a rate outside (0, 1].
+    """
+    if not (0 < rate <= 1):
+        raise ValueError(f"rate must be in (0, 1], got {rate}")
+    key = f"{seed}:{list(hash_ids[:CONVERSATION_KEY_BLOCKS])}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest(), "big") < rate * 2**256
 
 
 def _count(row: dict, field: str) -> int:

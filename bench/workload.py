@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from pdserve.bench.azure import read_azure_trace
-from pdserve.bench.mooncake import read_mooncake_trace
+from pdserve.bench.mooncake import in_conversation_sample, read_mooncake_trace
 
 if TYPE_CHECKING:
     from pdserve.bench.prompts import BlockPrompts, PromptPool
@@ -114,6 +114,17 @@ def window(rows: Sequence[TraceRow], start_s: float = 0.0, duration_s: float | N
         return []
     t0 = kept[0].t_s
     return [replace(r, t_s=r.t_s - t0) for r in kept]
+
+
+def sample_conversations(rows: Sequence[TraceRow], rate: float | None, seed: int = 0) -> list[TraceRow]:
+    """The rows of a sample of conversations (:func:`pdserve.bench.mooncake.in_conversation_sample`),
+    their times kept; all of ``rows`` for ``rate=None``. ValueError for a rate outside (0, 1] or
+    rows without hash ids (only Mooncake traces name conversations)."""
+    if rate is None:
+        return list(rows)
+    if rows and not all(r.hash_ids for r in rows):
+        raise ValueError("--conversation-sample needs a trace with hash ids (a Mooncake trace)")
+    return [r for r in rows if in_conversation_sample(r.hash_ids, rate, seed)]
 
 
 def scale_to_rate(rows: Sequence[TraceRow], target_rate: float) -> list[TraceRow]:

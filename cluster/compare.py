@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdserve.bench.cli import (add_slo_args, add_workload_args, bench_once, build_specs, fall_back_without_datasets,
-                               is_loopback, write_results)
+from pdserve.bench.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets
+from pdserve.bench.cli import bench_once, is_loopback, write_results
 from pdserve.bench.metrics import SLO, json_safe, summarize
 from pdserve.bench.backends import GrpcBackend
 from pdserve.bench.runner import unloaded_latency

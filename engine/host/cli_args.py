@@ -31,6 +31,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def positive_fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port, 0..65535 (0 = any free port)."""
     value = int(text)

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.cli import add_bench_parser, build_specs
-from pdserve.bench.mooncake import BLOCK_TOKENS, spread_ties
+from pdserve.bench.metrics import prefix_reuse_ceiling
+from pdserve.bench.mooncake import BLOCK_TOKENS, CONVERSATION_KEY_BLOCKS, spread_ties
 from pdserve.bench.prompts import BlockPrompts, PromptPool, RandomPromptPool, load_prompts
-from pdserve.bench.workload import TRACES, TraceRow, clip_lengths, load_trace, scale_to_rate, window
+from pdserve.bench.workload import (TRACES, TraceRow, clip_lengths, load_trace, sample_conversations, scale_to_rate,
+                                    window)
 from pdserve.engine.text.tokenizer import Tokenizer
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
@@ -198,3 +200,51 @@ def test_build_specs_mooncake_with_synthetic_arrivals_keeps_the_blocks(conversat
     first = blocks.block(0)[0]  # every conversation row starts with hash id 0
     assert all(len(s.prompt_token_ids) == 700 for s in specs)
     assert all(s.prompt_token_ids[1:33] == first for s in specs)
+
+
+# --- conversation sampling and the reuse ceiling --------------------------------------------------
+
+def test_conversation_sample_keeps_whole_conversations(conversation):
+    kept = sample_conversations(conversation, 1 / 16, seed=0)
+    assert 0.04 < len(kept) / len(conversation) < 0.09  # about 1/16 of the requests
+    families = {r.hash_ids[:CONVERSATION_KEY_BLOCKS] for r in kept}
+    assert [r for r in conversation if r.hash_ids[:CONVERSATION_KEY_BLOCKS] in families] == kept  # every turn
+    assert [r.t_s for r in kept] == sorted(r.t_s for r in kept)
+    other = sample_conversations(conversation, 1 / 16, seed=1)
+    assert {r.hash_ids[:CONVERSATION_KEY_BLOCKS] for r in other} != families
+    assert sample_conversations(conversation, None) == conversation
+    assert sample_conversations(conversation, 1.0) == conversation
+
+
+def test_conversation_sample_raises_the_reuse_of_a_short_run(conversation, tokenizer):
+    """The first 200 requests of the hour are mostly first turns; 200 requests of a 1/16 sample of
+    conversations reuse about as much as the whole hour (37% of its blocks)."""
+    def ceiling(rows):
+        return prefix_reuse_ceiling([sum(([h] * 16 for h in r.hash_ids), []) for r in rows])
+    first = ceiling(conversation[:200])
+    sampled = ceiling(sample_conversations(conversation, 1 / 16)[:200])
+    assert first < 0.1 < 0.25 < sampled
+    args = _args("--trace", "mooncake-conversation", "--conversation-sample", "0.0625", "--num-requests", "200",
+                 "--length-scale", "0.03125", "--prompts", "random")
+    specs = build_specs(args, tokenizer, 2048, 1.5)
+    assert abs(prefix_reuse_ceiling([s.prompt_token_ids for s in specs]) - sampled) < 0.05  # same reuse in tokens
+
+
+def test_conversation_sample_needs_hash_ids():
+    with pytest.raises(ValueError, match="hash ids"):
+        sample_conversations([TraceRow(0.0, 10, 10)], 0.5)
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(SystemExit):
+            _args("--conversation-sample", bad)
+
+
+def test_prefix_reuse_ceiling_counts_full_blocks_only():
+    a = list(range(40))  # 2 full blocks of 16 + 8 tokens
+    assert prefix_reuse_ceiling([a]) == 0.0
+    assert prefix_reuse_ceiling([a, a]) == 32 / 80  # the second hits its 2 full blocks
+    b = a[:16] + [99] * 24  # shares the first block only
+    assert prefix_reuse_ceiling([a, b]) == 16 / 80
+    assert prefix_reuse_ceiling([b[16:] + a[:16], a]) == 0.0  # the same block at another position is no prefix
+    assert prefix_reuse_ceiling([]) == 0.0
+    with pytest.raises(ValueError):
+        prefix_reuse_ceiling([a], block_size=0)
