@@ -28,7 +28,8 @@ from dataclasses import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.backends import GrpcBackend
-from pdserve.bench.cli import add_workload_args, bench_once, build_specs
+from pdserve.bench.args import add_workload_args, build_specs
+from pdserve.bench.cli import bench_once
 from pdserve.bench.metrics import prefix_cache_report, summarize
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.launch import start_cluster

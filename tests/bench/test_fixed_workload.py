@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.cli import add_bench_parser, build_specs, tokenizer_folder
+from pdserve.bench.args import build_specs
+from pdserve.bench.cli import add_bench_parser, tokenizer_folder
 from pdserve.bench.prompts import PromptPool, RandomPromptPool, make_prompt_pool
 from pdserve.bench.workload import fix_lengths, poisson_arrivals
 from pdserve.engine.text.tokenizer import Tokenizer

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.cli import add_bench_parser, build_specs
+from pdserve.bench.args import build_specs
+from pdserve.bench.cli import add_bench_parser
 from pdserve.bench.metrics import prefix_reuse_ceiling
 from pdserve.bench.mooncake import BLOCK_TOKENS, CONVERSATION_KEY_BLOCKS, spread_ties
 from pdserve.bench.prompts import BlockPrompts, PromptPool, RandomPromptPool, load_prompts
