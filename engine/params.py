@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 _MASK64 = (1 << 64) - 1
@@ -56,13 +57,29 @@ class SamplingParams:
             raise ValueError(f"bad sampling state: {exc!r}") from exc
 
 
+def _shown(x: float) -> str:
+    """``x`` as the client wrote it: the shortest decimal that reads back as ``x`` in float32, when
+    ``x`` is a float32 (protobuf's float fields are, so a client's 0.7 arrives as 0.699999988...)."""
+    try:
+        as_f32 = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return repr(x)
+    if as_f32 != x:
+        return repr(x)
+    for digits in range(1, 10):
+        short = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == x:
+            return repr(short)
+    return repr(x)
+
+
 def sampling_errors(temperature: float, top_p: float, top_k: int, max_tokens: int) -> list[str]:
     """Human-readable problems with sampling values ([] when valid). Shared with the router."""
     errors = []
     if not (temperature >= 0.0) or temperature == float("inf"):
-        errors.append(f"temperature must be a finite number >= 0, got {temperature}")
+        errors.append(f"temperature must be a finite number >= 0, got {_shown(temperature)}")
     if not (0.0 < top_p <= 1.0):
-        errors.append(f"top_p must be in (0, 1], got {top_p}")
+        errors.append(f"top_p must be in (0, 1], got {_shown(top_p)}")
     if top_k < 0:
         errors.append(f"top_k must be >= 0 (0 disables), got {top_k}")
     if max_tokens < 1:

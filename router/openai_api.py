@@ -159,9 +159,11 @@ async def _stream(stream: AsyncIterator, first, shape: ResponseShape, include_us
         message = first
         while True:
             which = message.WhichOneof("kind")
-            if which == "chunk":  # one event per token message, text or not, so clients can time tokens
-                yield _sse(shape.delta(message.chunk.text, first=not opened))
-                opened = True
+            if which == "chunk":  # no event for a chunk without text (a character's bytes held back)
+                event = shape.delta(message.chunk.text, first=not opened)
+                if event is not None:
+                    yield _sse(event)
+                    opened = True
             elif which == "complete":
                 c = message.complete
                 final = shape.delta(c.text, c.finish_reason)

@@ -17,6 +17,7 @@ from pdserve.v1 import generate_pb2
 
 PB = generate_pb2
 UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context window
 FINISH_REASONS = {PB.FINISH_REASON_STOP: "stop", PB.FINISH_REASON_LENGTH: "length",
                   PB.FINISH_REASON_ABORT: "abort", PB.FINISH_REASON_ERROR: "error"}
 
@@ -60,7 +61,8 @@ class _Common(BaseModel):
     @classmethod
     def _one_choice(cls, n: int | None) -> int:
         if n not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got n={n}; send {n} requests instead")
+            more = f"; send {n} requests for {n} choices" if n > 1 else ""
+            raise ValueError(f"n must be 1 (one choice per request), got {n}{more}")
         return 1
 
     def _generate_request(self, **prompt) -> PB.GenerateRequest:
@@ -97,7 +99,12 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
+    """``max_tokens`` defaults to 16, OpenAI's documented default for ``/v1/completions``."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
+
+    def _max_tokens(self) -> int:
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     def to_generate_request(self) -> PB.GenerateRequest:
         p = self.prompt
@@ -148,7 +155,7 @@ def parse(model: type[_Common], body: bytes | str) -> _Common:
     except ValidationError as exc:
         err = exc.errors()[0]
         if err["type"] == "json_invalid":
-            raise BadRequest(f"the request body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}") from None
+            raise BadRequest(_json_error(err["msg"].removeprefix("Invalid JSON: "))) from None
         if err["type"] == "model_type" and not err["loc"]:
             raise BadRequest("the request body must be a JSON object") from None
         # a union's errors name its member types in the location ("prompt", "list[int]", 0): drop them
@@ -156,7 +163,33 @@ def parse(model: type[_Common], body: bytes | str) -> _Common:
         param = ".".join(path) or None
         if path and path[0] == "prompt":
             raise BadRequest("prompt must be a string or a list of token ids (non-negative integers)", "prompt")
-        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        raise BadRequest(_field_error(param, err), param) from None
+
+
+# what a bounded field allows, where it says more than its schema bound (max_tokens 0 is the validator's)
+_ALLOWED = {"max_tokens": ">= 1", "max_completion_tokens": ">= 1", "top_k": ">= -1 (-1 or 0 disables)"}
+
+
+def _field_error(param: str | None, err: dict) -> str:
+    """A field's problem as the validator words its own: what is wrong and what is allowed."""
+    msg = err["msg"].removeprefix("Value error, ")
+    if param and err["type"] in ("greater_than_equal", "less_than_equal"):
+        ge, le = err["ctx"].get("ge"), err["ctx"].get("le")
+        allowed = _ALLOWED.get(param, f">= {ge}") if ge is not None else f"<= {le}"
+        return f"{param} must be {allowed}, got {err['input']}"
+    if not param or msg.startswith(param):
+        return msg
+    return f"{param}: {msg}"
+
+
+def _json_error(msg: str) -> str:
+    """The parser's message, or for a lone UTF-16 surrogate escape (which the parser calls a bad
+    hex escape) what is wrong with it."""
+    where = msg[msg.rfind(" at line "):] if " at line " in msg else ""
+    if "surrogate" in msg or "end of hex escape" in msg:
+        return (f"the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair){where}; "
+                f"strings must be valid Unicode (surrogates only in high-low pairs, such as \\ud83d\\ude00)")
+    return f"the request body is not valid JSON: {msg}"
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -168,9 +201,12 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 def timings_json(t: PB.Timings) -> dict:
-    """The ``pdserve`` extension: the request's phases, in seconds (bytes for the KV transfer)."""
+    """The ``pdserve`` extension: the request's phases, in seconds (bytes for the KV transfer), and
+    the gRPC Timings' other fields: whether the decode worker prefilled it, its prompt tokens taken
+    from a prefix cache."""
     return {"queue_s": t.queue_ns / 1e9, "prefill_s": t.prefill_ns / 1e9, "kv_transfer_s": t.kv_transfer_ns / 1e9,
-            "kv_transfer_bytes": t.kv_transfer_bytes, "decode_s": t.decode_ns / 1e9, "total_s": t.total_ns / 1e9}
+            "kv_transfer_bytes": t.kv_transfer_bytes, "decode_s": t.decode_ns / 1e9, "total_s": t.total_ns / 1e9,
+            "prefilled_on_decode": t.prefilled_on_decode, "cached_prompt_tokens": t.cached_prompt_tokens}
 
 
 def usage_json(u: PB.Usage) -> dict:
@@ -199,8 +235,13 @@ class ResponseShape:
             body = self._envelope("chat.completion", [choice])
         return {**body, "usage": usage_json(usage), "pdserve": timings_json(timings)}
 
-    def delta(self, text: str, finish: int | None = None, first: bool = False) -> dict:
+    def delta(self, text: str, finish: int | None = None, first: bool = False) -> dict | None:
+        """One streamed chunk, or None when it would carry nothing: no text (the bytes of a character,
+        or text that may become a stop string, held back), no finish reason, and not chat's first
+        chunk, which carries the role."""
         reason = FINISH_REASONS.get(finish) if finish else None
+        if not text and reason is None and not (first and self.kind == "chat"):
+            return None
         if self.kind == "completion":
             return self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
                                                        "finish_reason": reason}])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections import Counter
 
 import msgpack
@@ -176,6 +177,15 @@ def test_invalid_sampling_params_are_refused_with_a_readable_message(kwargs: dic
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
     assert str(info.value) == message
+
+
+def test_float32_values_are_shown_as_the_client_wrote_them() -> None:
+    """Protobuf floats are float32: a client's -0.7 arrives as -0.699999988079071."""
+    as_f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]  # noqa: E731
+    errors = sampling_errors(temperature=as_f32(-0.7), top_p=as_f32(1.1), top_k=0, max_tokens=1)
+    assert errors == ["temperature must be a finite number >= 0, got -0.7", "top_p must be in (0, 1], got 1.1"]
+    assert sampling_errors(temperature=-0.1, top_p=1.0 + 1e-12, top_k=0, max_tokens=1) == [
+        "temperature must be a finite number >= 0, got -0.1", f"top_p must be in (0, 1], got {1.0 + 1e-12!r}"]
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -98,7 +98,7 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
             (dict(prompt="hi", temperature=-1), openai.BadRequestError, "temperature"),
             (dict(prompt="hi", top_p=0), openai.BadRequestError, "top_p"),
             (dict(prompt="hi", max_tokens=0), openai.BadRequestError, "max_tokens"),
-            (dict(prompt="hi", n=3), openai.BadRequestError, "n=1"),
+            (dict(prompt="hi", n=3), openai.BadRequestError, "n must be 1"),
             (dict(prompt=["a", "b"]), openai.BadRequestError, "batched"),
         ]
         for kw, exc, words in cases:
@@ -110,8 +110,14 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
             raw_cases = [  # (body, words in the message or the named param)
                 (b"{not json", "not valid JSON"), (b"[" * 5000, "not valid JSON"),
-                (b'{"prompt": "hi \\ud800", "max_tokens": 2}', "not valid JSON"),
-                (b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}', "not valid JSON"),
+                (b'{"prompt": "hi \\ud800", "max_tokens": 2}', "lone UTF-16 surrogate"),
+                (b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}', "lone UTF-16 surrogate"),
+                (b'{"prompt": "hi", "n": 0}', "n must be 1 (one choice per request), got 0"),
+                (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens must be >= 1, got 0"),
+                (b'{"prompt": "hi", "max_tokens": -1}', "max_tokens must be >= 1, got -1"),
+                (b'{"prompt": "hi", "top_p": 1.5, "max_tokens": 2}', "top_p must be in (0, 1], got 1.5"),
+                (b'{"prompt": "hi", "top_p": 1.1, "max_tokens": 2}', "top_p must be in (0, 1], got 1.1"),
+                (b'{"prompt": "hi", "temperature": -0.7, "max_tokens": 2}', "got -0.7"),
                 (b'[1, 2]', "JSON object"),
                 (b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"), (b'{"prompt": "hi", "max_tokens": true}', "max_tokens"),
                 (b'{"prompt": [true, false]}', "prompt"), (b'{"prompt": "hi", "stream": "yes"}', "stream"),
@@ -126,6 +132,8 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
             r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None, "stream": None,
                                                          "ignore_eos": None, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            r = await http.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True, "temperature": 0})
+            assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens for completions
             r = await http.get("/v1/nowhere")
             assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
             r = await http.get("/v1/completions")
@@ -146,6 +154,50 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
         ok = await api.completions.create(model="test-model", prompt="hi", max_tokens=3, temperature=0)
         assert ok.usage.completion_tokens == 3
         assert await pipe.wait_idle() == 0
+
+
+async def sse_events(http: httpx.AsyncClient, body: dict) -> list[dict]:
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) async for line in r.aiter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+async def test_streams_send_no_chunk_without_text(embedded_dir):
+    """Random sampling on a byte-level BPE model splits multi-byte characters across tokens: the
+    tokens that end inside a character give gRPC chunks without text, and no SSE event."""
+    async with local_pipeline(embedded_dir, "colocated", http=True) as pipe, Client(pipe.address) as client:
+        async with httpx.AsyncClient(base_url=pipe.http_url, timeout=60) as http:
+            textless = 0
+            for seed, prompt in enumerate(["写一个关于猫的故事 🐱", "Emoji: 😀🎉", "混合 mixed text"]):
+                body = {"prompt": prompt, "max_tokens": 40, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+                textless += len([m async for m in client.stream(make_request(**body))
+                                 if m.WhichOneof("kind") == "chunk" and not m.chunk.text])
+                events = await sse_events(http, {**body, "stream_options": {"include_usage": True}})
+                for event in events:
+                    assert event["choices"] == [] or event["choices"][0]["text"] \
+                        or event["choices"][0]["finish_reason"], event
+                assert events[-1]["usage"]["completion_tokens"] == 40 and events[-2]["choices"][0]["finish_reason"]
+                whole = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+                assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
+        assert textless > 0, "no token ended inside a UTF-8 character; the test proves nothing"
+
+
+async def test_http_timings_say_where_the_prompt_was_prefilled(embedded_dir):
+    """The ``pdserve`` timings carry the gRPC Timings' prefilled_on_decode and cached_prompt_tokens."""
+    long = [(7 * i) % 997 + 1 for i in range(100)]
+    follow_up = long[:96] + list(range(5, 15))  # 6 blocks the decode worker holds, 10 new tokens
+    async with local_pipeline(embedded_dir, "split", local_prefill_tokens=32, http=True) as pipe:
+        async with httpx.AsyncClient(base_url=pipe.http_url, timeout=60) as http:
+            body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            first = (await http.post("/v1/completions", json={**body, "prompt": long})).json()["pdserve"]
+            assert first["prefilled_on_decode"] is False and first["kv_transfer_bytes"] > 0
+            assert first["cached_prompt_tokens"] == 0
+            await asyncio.sleep(0.3)  # one stats poll: the router learns that the decode worker caches blocks
+            events = await sse_events(http, {**body, "prompt": follow_up})
+            again = events[-1]["pdserve"]
+            assert again["prefilled_on_decode"] is True and again["kv_transfer_bytes"] == 0
+            assert again["cached_prompt_tokens"] == 96
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

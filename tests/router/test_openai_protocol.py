@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.router.openai_protocol import BadRequest, ChatRequest, CompletionRequest
+from pdserve.router.openai_protocol import PB, BadRequest, ChatRequest, CompletionRequest, ResponseShape, timings_json
 from pdserve.router.openai_protocol import parse as parse_json
 
 
@@ -23,7 +23,8 @@ def test_completion_fields_map_onto_the_generate_request():
     assert g.sampling.HasField("top_k") and g.sampling.top_k == 0  # vLLM's -1: disabled
     unset = parse(CompletionRequest, {"prompt": [[1, 2, 3]]}).to_generate_request()
     assert list(unset.prompt_token_ids) == [1, 2, 3]
-    assert not unset.HasField("max_tokens") and not unset.sampling.HasField("temperature")
+    assert unset.max_tokens == 16 and not unset.sampling.HasField("temperature")  # OpenAI's completions default
+    assert parse(CompletionRequest, {"prompt": "hi", "max_tokens": None}).to_generate_request().max_tokens == 16
 
 
 def test_chat_prefers_max_completion_tokens():
@@ -32,6 +33,8 @@ def test_chat_prefers_max_completion_tokens():
                               "max_tokens": 5, "max_completion_tokens": 9})
     assert req.to_generate_request([1]).max_tokens == 9
     assert req.messages[0].for_template()["content"] == "ab"
+    unset = parse(ChatRequest, {"messages": [{"role": "user", "content": "a"}]}).to_generate_request([1])
+    assert not unset.HasField("max_tokens")  # chat: the rest of the context window, as vLLM
 
 
 @pytest.mark.parametrize("body, param", [
@@ -48,6 +51,56 @@ def test_bad_shapes_name_their_field(body, param):
     with pytest.raises(BadRequest) as info:
         parse(CompletionRequest, body).to_generate_request()
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "hi", "n": 0}, "n must be 1 (one choice per request), got 0"),
+    ({"prompt": "hi", "n": 3}, "n must be 1 (one choice per request), got 3; send 3 requests for 3 choices"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens must be >= 1, got -1"),  # as the validator says for 0
+    ({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -2},
+     "max_completion_tokens must be >= 1, got -2"),
+    ({"prompt": "hi", "top_k": -2}, "top_k must be >= -1 (-1 or 0 disables), got -2"),
+    ({"prompt": "hi", "seed": -5}, "seed must be >= 0, got -5"),
+    ({"prompt": "hi", "max_tokens": 1 << 32}, f"max_tokens must be <= {(1 << 32) - 1}, got {1 << 32}"),
+])
+def test_messages_say_what_is_wrong_and_what_is_allowed(body, message):
+    with pytest.raises(BadRequest) as info:
+        parse(ChatRequest if "messages" in body else CompletionRequest, body)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "a\\ud800b", "\\ud800\\u0041"])
+def test_a_lone_surrogate_is_named_as_such(escape):
+    with pytest.raises(BadRequest) as info:
+        parse_json(CompletionRequest, '{"prompt": "%s"}' % escape)
+    assert str(info.value).startswith("the request body has a lone UTF-16 surrogate escape")
+    assert "at line 1 column" in str(info.value) and "valid Unicode" in str(info.value)
+    assert parse_json(CompletionRequest, '{"prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"  # a pair is fine
+    with pytest.raises(BadRequest, match="not valid JSON: invalid escape"):
+        parse_json(CompletionRequest, '{"prompt": "\\u12"}')
+
+
+def test_timings_carry_every_field_of_the_grpc_message():
+    t = PB.Timings(queue_ns=1, prefill_ns=2, kv_transfer_ns=3, decode_ns=4, total_ns=5, kv_transfer_bytes=6,
+                   prefilled_on_decode=True, cached_prompt_tokens=32)
+    body = timings_json(t)
+    assert body["prefilled_on_decode"] is True and body["cached_prompt_tokens"] == 32
+    assert body["kv_transfer_bytes"] == 6 and body["prefill_s"] == 2e-9
+    assert {f.name.replace("_ns", "_s") for f in PB.Timings.DESCRIPTOR.fields} == set(body)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_chunk_with_nothing_to_say_is_not_sent(kind):
+    shape = ResponseShape(kind, "r1", "m")
+    assert shape.delta("", first=False) is None  # the bytes of a character held back
+    assert shape.delta("", PB.FINISH_REASON_LENGTH)["choices"][0]["finish_reason"] == "length"
+    first = shape.delta("", first=True)
+    if kind == "chat":  # chat's first chunk carries the role
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    else:
+        assert first is None
+    text = shape.delta("é")["choices"][0]
+    assert (text["text"] if kind == "completion" else text["delta"]["content"]) == "é"
 
 
 def test_values_are_left_to_the_validator():
