@@ -75,3 +75,13 @@ def test_the_dashboard_reads_only_metrics_the_router_exports():
     used = {name for e in exprs for name in re.findall(r"pdserve:[a-z0-9_]+", e)}
     assert len(dash["panels"]) >= 8 and used
     assert used <= exported, used - exported
+
+
+def test_the_readme_metrics_table_lists_every_metric_the_router_exports():
+    readme = (DASHBOARD.parents[1] / "README.md").read_text()
+    table = readme[readme.index("### Metrics"):readme.index("`docs/grafana-dashboard.json`")]
+    listed = set(re.findall(r"^\| `(pdserve:[a-z0-9_]+)` \|", table, re.M))
+    exported = set()
+    for f in _families(RouterMetrics(_Pool())).values():  # the parser names a counter without _total
+        exported.add(f.name + "_total" if f.type == "counter" else f.name)
+    assert exported == listed, (exported - listed, listed - exported)
