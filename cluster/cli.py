@@ -94,15 +94,29 @@ def add_role_resource_args(p: argparse.ArgumentParser) -> None:
                             f"unit per worker (`ray start --resources '{{\"NAME\": N}}'`)")
 
 
+def secret_note() -> str | None:
+    """The startup line for a cluster that makes its own secret (no $PDSERVE_CLUSTER_SECRET): it is
+    never shown, so say how to choose one that admin tools can carry. None when one is set."""
+    from pdserve.engine.host.auth import SECRET_ENV, cluster_secret
+
+    if cluster_secret():
+        return None
+    return (f"cluster secret: generated for this run and not shown; to let admin tools use it (pdserve bench's "
+            f"per-worker prefix-cache hit rates, the admin model info), export {SECRET_ENV} before serve and for bench")
+
+
 def cmd_serve(args) -> int:
     from pdserve.cluster.launch import start_cluster
 
     cfg = _cluster_config(args)
+    note = secret_note()  # read before the cluster starts: what start_cluster sees
     if args.address is None:
         check_port_free(args.host, args.port)
         if args.http_port:
             check_port_free(args.host, args.http_port, "--http-port")
     cluster = start_cluster(cfg)
+    if note:
+        print(note, flush=True)
     http = (f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else "")
     keys = len(cfg.api_keys)
     http += f"; API keys: {keys} required" if keys else "; API keys: off (anyone who can reach the ports may call)"

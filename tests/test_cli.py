@@ -36,13 +36,31 @@ def test_generate_without_server_fails_clearly():
     assert "UNAVAILABLE" in run.stderr or "DEADLINE_EXCEEDED" in run.stderr
 
 
+def _without_secret() -> dict:
+    from pdserve.engine.host.auth import SECRET_ENV
+
+    return {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+
+
+def test_serve_says_when_it_made_the_cluster_secret(monkeypatch):
+    from pdserve.cluster.cli import secret_note
+    from pdserve.engine.host.auth import SECRET_ENV
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    note = secret_note()
+    assert note.startswith("cluster secret: generated for this run and not shown")
+    assert f"export {SECRET_ENV} before serve and for bench" in note and "\n" not in note
+    monkeypatch.setenv(SECRET_ENV, "s3cret-value")
+    assert secret_note() is None  # the user chose it, so knows it
+
+
 def test_serve_generate_and_ctrl_c():
     port, http_port = _free_port(), _free_port()
     model = ["--model", str(STORIES)] if (STORIES / "model.safetensors").is_file() else []
     serve = subprocess.Popen(PDSERVE + ["serve", "--placement", "colocated", "--port", str(port),
                                         "--http-port", str(http_port), *model],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**_without_secret(), "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 240
         lines = []
@@ -53,6 +71,7 @@ def test_serve_generate_and_ctrl_c():
                 break
         assert "serving on" in lines[-1], "".join(lines)
         assert f"http://127.0.0.1:{http_port}/v1" in lines[-1]
+        assert sum("cluster secret: generated for this run" in line for line in lines) == 1
         import urllib.request
 
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as resp:
