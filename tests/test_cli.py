@@ -161,3 +161,16 @@ def test_throughput_reports_the_batch_it_reached_and_refuses_cuda_without_gpus(t
         run = subprocess.run(PDSERVE + ["throughput", "--device", "cuda", "--num-prompts", "1", "--input-len", "8",
                                         "--output-len", "2"], capture_output=True, text=True, timeout=300)
         assert run.returncode == 2 and "sees no CUDA device" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_demo_banners_break_only_where_they_mean_to_on_80_columns():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from pdserve.cluster.demo import EMBEDDED_NOTE, start_banner
+
+    for text in (start_banner("embedded (random weights)", 1), start_banner("smollm2-135m", 2), EMBEDDED_NOTE):
+        out = StringIO()
+        Console(file=out, width=80, color_system=None).print(f"[dim]{text}[/]")
+        assert out.getvalue().splitlines() == text.split("\n")
