@@ -41,7 +41,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", default=None,
                    help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}; or {RANDOM_PROMPTS} "
                         f"(random token ids, no dataset needed); default {DEFAULT_PROMPTS}")
-    g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default ../shared/datasets)")
+    g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default: ./shared/datasets or ../shared/datasets)")
     g.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -76,7 +76,7 @@ def fall_back_without_datasets(args) -> str | None:
     args.prompts = RANDOM_PROMPTS
     args.input_len = args.input_len or SYNTHETIC_INPUT_LEN
     args.output_len = args.output_len or SYNTHETIC_OUTPUT_LEN
-    return (f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS or ../shared/datasets): running a "
+    return (f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS, ./shared/datasets or ../shared/datasets): running a "
             f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
             f"{args.output_len} output tokens each (trace options such as --length-scale do not apply); name "
             f"--trace/--prompts to insist on a dataset")

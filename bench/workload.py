@@ -63,14 +63,25 @@ def resolve_datasets_dir(datasets_dir: str | Path | None = None) -> Path:
     env = os.environ.get(DATASETS_ENV)
     if env:
         return Path(env)
-    candidates = [Path(__file__).resolve().parent.parent.parent / "shared" / "datasets",
-                  Path.cwd() / "shared" / "datasets", Path.cwd().parent / "shared" / "datasets"]
+    candidates = default_datasets_dirs()
     return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+def default_datasets_dirs() -> list[Path]:
+    """Where the datasets folder is looked for when neither a folder nor ``$PDSERVE_DATASETS`` is given."""
+    return [Path(__file__).resolve().parent.parent.parent / "shared" / "datasets",
+            Path.cwd() / "shared" / "datasets", Path.cwd().parent / "shared" / "datasets"]
 
 
 def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
     """``relative`` under the datasets folder; FileNotFoundError (saying how to point elsewhere) if absent."""
     path = resolve_datasets_dir(datasets_dir) / relative
+    searched = datasets_dir is None and not os.environ.get(DATASETS_ENV)
+    if not path.is_file() and searched and not any(c.is_dir() for c in default_datasets_dirs()):
+        raise FileNotFoundError(
+            f"dataset file {relative} not found: no datasets folder at "
+            f"{', '.join(str(c) for c in default_datasets_dirs())}; point at it with --datasets-dir "
+            f"(or the {DATASETS_ENV} environment variable)")
     if not path.is_file():
         raise FileNotFoundError(
             f"dataset file {path} not found; point at the datasets folder with --datasets-dir "

@@ -168,3 +168,16 @@ def test_the_tokenizer_folder_comes_from_the_served_id_or_a_folder(embedded_dir)
     for served in ("test-model", "owner/name", "missing.gguf"):  # only a name: the folder must be given
         with pytest.raises(SystemExit, match="pass --tokenizer"):
             tokenizer_folder(served)
+
+
+def test_missing_datasets_folder_names_every_place_searched(tmp_path, monkeypatch):
+    from pdserve.bench import workload
+    monkeypatch.delenv(workload.DATASETS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(workload, "__file__", str(tmp_path / "a" / "b" / "c" / "workload.py"))
+    with pytest.raises(FileNotFoundError) as info:
+        workload.dataset_file("x/y.csv")
+    message = str(info.value)
+    for place in workload.default_datasets_dirs():
+        assert str(place) in message
+    assert "--datasets-dir" in message and "x/y.csv" in message
