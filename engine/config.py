@@ -150,6 +150,7 @@ class EngineConfig:
     device: str = "cpu"
     torch_threads: int | None = None
     attention_backend: str = "auto"
+    target_itl_ms: float | None = None  # chunked prefill: size each step's prompt chunk to this step time
 
     @property
     def token_budget(self) -> int:
@@ -163,5 +164,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
         if self.max_num_seqs < 1 or self.token_budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):
+            raise ValueError(f"target_itl_ms must be a number > 0, got {self.target_itl_ms}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -62,8 +62,8 @@ class Engine:
         self.runner = ModelRunner(cfg, self.model_dir)
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.token_budget,
-                                   cfg.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.token_budget, cfg.enable_chunked_prefill,
+                                   None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
         self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > max_pos:
@@ -202,6 +202,7 @@ class Engine:
                 self.scheduler.finish(s, FinishReason.ERROR)
             raise StepError(exc, batch.seqs) from exc
         done = time.monotonic_ns()
+        self.scheduler.observe_step(batch, (done - now) / 1e9)
         outputs = []
         for c in self.scheduler.complete(batch, tokens):
             if c.token is None:

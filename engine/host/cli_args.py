@@ -82,6 +82,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="prefill whole prompts in steps of their own (decode waits for them), as before "
                              "chunked prefill; for comparison")
+    parser.add_argument("--target-itl-ms", type=positive_float, default=None,
+                        help="chunked prefill: cut each step's prompt chunk so the step, and so the inter-token "
+                             "gap of the sequences decoding beside it, takes about this long (a step-time model "
+                             "fitted online to this hardware; --max-num-batched-tokens stays the cap)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="do not keep full KV blocks for reuse by later requests with the same prefix")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
@@ -108,4 +112,5 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.chunked_prefill, enable_prefix_caching=args.prefix_caching,
                         max_model_len=args.max_model_len, dtype=args.dtype, device=device,
-                        torch_threads=args.threads, attention_backend=args.attention_backend)
+                        torch_threads=args.threads, attention_backend=args.attention_backend,
+                        target_itl_ms=args.target_itl_ms)

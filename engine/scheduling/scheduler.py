@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.scheduling.step_time import StepTimeModel
 
 
 @dataclass
@@ -24,6 +25,11 @@ class Batch:
         """True when ``seqs[i]``'s chunk reaches its last token, so this step samples its next one."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_query_tokens[i] == seq.num_tokens
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Sequences that compute one token after their prompt (decode rows, not prefill chunks)."""
+        return sum(1 for s, n in zip(self.seqs, self.num_query_tokens) if s.is_decoding and n == 1)
 
 
 @dataclass
@@ -49,6 +55,12 @@ class Scheduler:
       either a prefill of whole waiting prompts (at most ``max_num_batched_tokens`` tokens, but
       always at least one prompt) or one decode step of the running batch.
 
+    With ``target_step_s`` (chunked prefill only), the budget of a step is the decoding sequences
+    plus as many prompt tokens as :class:`StepTimeModel`, fitted online to the steps so far, says
+    fit in ``target_step_s`` beside them (at least ``block_size``, at most
+    ``max_num_batched_tokens``): every step, and so every inter-token gap of a decoding sequence,
+    aims at that time on whatever hardware runs it.
+
     A step never holds more than ``max_num_seqs`` sequences. When KV blocks run short, the most
     recently admitted running sequence is preempted: its blocks are freed and it waits, at the head
     of the queue, to be recomputed (its prompt and the tokens it produced). With prefix caching a
@@ -56,11 +68,15 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, target_step_s: float | None = None) -> None:
+        if target_step_s is not None and not target_step_s > 0:
+            raise ValueError(f"target_step_s must be > 0, got {target_step_s}")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.target_step_s = target_step_s if chunked_prefill else None
+        self.step_time = StepTimeModel()  # fed by the engine after every step (observe_step)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order
         self._next_turn = 0  # where the next step starts when not all running fit one step
@@ -85,7 +101,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         if self.chunked_prefill:
-            budget, preempted = self._schedule_running(seqs, counts, self.max_num_batched_tokens)
+            budget, preempted = self._schedule_running(seqs, counts, self.step_budget())
             if not preempted:
                 self._schedule_waiting(seqs, counts, budget)
         elif not self._schedule_waiting(seqs, counts, self.max_num_batched_tokens):
@@ -94,6 +110,22 @@ class Scheduler:
             return None
         is_prefill = any(not (s.is_decoding and n == 1) for s, n in zip(seqs, counts))
         return Batch(seqs, counts, is_prefill)
+
+    def step_budget(self) -> int:
+        """The token budget of the next chunked step: ``max_num_batched_tokens``, or with
+        ``target_step_s`` and a fitted step-time model, the decoding sequences plus the prompt
+        tokens that fit the target beside them (at least one block, at most the cap)."""
+        cap = self.max_num_batched_tokens
+        if self.target_step_s is None:
+            return cap
+        decoding = sum(1 for s in self.running if s.is_decoding)
+        prompt = self.step_time.prompt_tokens_within(self.target_step_s, decoding)
+        return cap if prompt is None else min(cap, decoding + max(prompt, self.blocks.block_size))
+
+    def observe_step(self, batch: Batch, seconds: float) -> None:
+        """Feed a finished step's time to the step-time model (used with ``target_step_s``)."""
+        decode = batch.num_decode_rows
+        self.step_time.observe(decode, sum(batch.num_query_tokens) - decode, seconds)
 
     @staticmethod
     def _positions(seq: Sequence, n: int) -> int:

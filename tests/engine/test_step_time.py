@@ -1,0 +1,119 @@
+"""The step-time model and ``--target-itl-ms``: prompt chunks sized to a step-time target from
+step times fitted online."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.scheduler import Scheduler
+from pdserve.engine.scheduling.step_time import StepTimeModel
+from tests.engine.test_chunked_prefill import generate_staggered, make_seq, run_step
+
+
+def fake_seconds(decode_rows: int, prompt_tokens: int) -> float:
+    """A machine where a step costs 20 ms + 5 ms per decode row + 2 ms per prompt token."""
+    return 0.020 + 0.005 * decode_rows + 0.002 * prompt_tokens
+
+
+def test_fit_recovers_the_costs_and_answers_the_budget() -> None:
+    model = StepTimeModel(min_steps=4)
+    rng = random.Random(0)
+    for _ in range(3):
+        model.observe(4, 100, fake_seconds(4, 100))
+    assert model.coefficients() is None and model.prompt_tokens_within(1.0, 4) is None  # too few steps
+    for _ in range(40):
+        d, p = rng.randrange(0, 9), rng.choice([0, 0, 16, 64, 256])
+        model.observe(d, p, fake_seconds(d, p) * rng.uniform(0.97, 1.03))
+    a, c, b = model.coefficients()
+    assert a == pytest.approx(0.020, rel=0.15) and c == pytest.approx(0.005, rel=0.15)
+    assert b == pytest.approx(0.002, rel=0.05)
+    n = model.prompt_tokens_within(0.100, decode_rows=8)  # (100 - 20 - 40) ms / 2 ms
+    assert 17 <= n <= 23
+    assert model.prompt_tokens_within(0.030, decode_rows=8) == 0  # the decode rows alone take longer
+
+
+def test_fit_follows_a_change_of_speed() -> None:
+    model = StepTimeModel(min_steps=4)
+    for i in range(60):
+        model.observe(2, 32 * (i % 4), fake_seconds(2, 32 * (i % 4)))
+    slow = model.prompt_tokens_within(0.2, 2)
+    for i in range(150):  # the same steps now take 4x as long (a slower core, a busier machine)
+        model.observe(2, 32 * (i % 4), 4 * fake_seconds(2, 32 * (i % 4)))
+    assert model.prompt_tokens_within(0.2, 2) < slow / 3
+
+
+def test_fit_needs_a_positive_prompt_cost() -> None:
+    model = StepTimeModel(min_steps=2)
+    for _ in range(10):
+        model.observe(3, 0, 0.05)  # decode-only steps say nothing of prompt tokens
+    assert model.coefficients() is None
+    with pytest.raises(ValueError):
+        StepTimeModel(decay=1.0)
+
+
+def test_scheduler_sizes_chunks_to_the_target() -> None:
+    """Beside 3 decoding sequences, a 70 ms target on the fake machine leaves (70-20-15)/2 = 17
+    prompt tokens a step; the cap and the one-block floor still hold."""
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=64, target_step_s=0.070)
+    decoders = [make_seq(f"d{i}", 4, max_tokens=200) for i in range(3)]
+    for s in decoders:
+        sched.add(s)
+    run_step(sched)
+    sched.add(make_seq("long", 1200, max_tokens=1))
+    chunks = []
+    while sched.find("long") is not None and len(chunks) < 100:
+        b = run_step(sched)
+        sched.observe_step(b, fake_seconds(b.num_decode_rows, sum(b.num_query_tokens) - b.num_decode_rows))
+        chunks.append(sum(b.num_query_tokens) - b.num_decode_rows)
+    assert chunks[:8] == [64 - 3] * 8  # the cap until the model has seen min_steps steps
+    assert all(16 <= c <= 18 for c in chunks[9:-1]), chunks
+    assert Scheduler(BlockManager(8, 4), 8, 64, target_step_s=0.070).step_budget() == 64
+    tiny = Scheduler(BlockManager(8, 4), 8, 64, target_step_s=0.001)
+    for i in range(10):
+        tiny.step_time.observe(0, 16 * i, fake_seconds(0, 16 * i))
+    assert tiny.step_budget() == 4  # one block at least, or a prompt would never finish
+    with pytest.raises(ValueError):
+        Scheduler(BlockManager(8, 4), 8, 64, target_step_s=0.0)
+
+
+def test_target_itl_keeps_greedy_output(embedded_dir) -> None:
+    """With a target small enough to cut every prompt, greedy output equals prefill-first's."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (5, 40, 77, 130, 16, 64)]
+
+    def engine(**kw) -> Engine:
+        return Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
+                                   enable_prefix_caching=False, **kw))
+
+    reference = generate_staggered(engine(enable_chunked_prefill=False), prompts)
+    timed = engine(max_num_batched_tokens=128, target_itl_ms=0.001)
+    budgets = []
+    original = timed.scheduler.schedule
+
+    def spy():
+        budgets.append(timed.scheduler.step_budget())
+        return original()
+
+    timed.scheduler.schedule = spy
+    assert generate_staggered(timed, prompts) == reference
+    assert budgets[0] == 128 and min(budgets) < 32  # the fit took over from the cap
+    assert timed.scheduler.step_time.num_steps == len(budgets)
+    with pytest.raises(ValueError):
+        EngineConfig(model="embedded", target_itl_ms=0)
+
+
+def test_target_itl_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from pdserve.engine.host.cli_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--target-itl-ms", "150"]), device="cpu").target_itl_ms == 150
+    assert engine_config_from_args(parser.parse_args([]), device="cpu").target_itl_ms is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target-itl-ms", "0"])
