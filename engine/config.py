@@ -103,25 +103,30 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     return int(window)
 
 
-# Step token budgets by worker role when --max-num-batched-tokens is not given. Measured with 8
-# prompts of 256 tokens, llama-80m, bf16, 2 cores: budget 128 -> 2,238 prefill tok/s and 72 ms per
-# step; 256 -> 2,558 and 110 ms; 512 -> 2,601 and 209 ms; 2048 -> 2,929 and 699 ms. A colocated
-# worker interleaves decode, so each step is an inter-token gap: 256 keeps it near 110 ms for 13%
-# less prefill throughput. Prefill workers decode nothing: 2048 keeps throughput within 1% of whole-
-# prompt batches while a long prompt still cannot hold short ones back by more than one step.
-DEFAULT_TOKEN_BUDGET = {"both": 256, "prefill": 2048, "decode": 2048}
+# Step token budgets by worker role when --max-num-batched-tokens is not given. Prefill workers
+# decode nothing: 2048 keeps throughput within 1% of whole-prompt batches (8 prompts of 256 tokens,
+# llama-80m, 2 cores) while a long prompt still cannot hold short ones back by more than one step.
+# A colocated worker interleaves decode, so each step is an inter-token gap of every decoding
+# sequence, and a fixed token count is the wrong unit: a 256-token chunk took 110 ms on a core with
+# bfloat16 matmul and 0.9-1.7 s (more with context) on an AVX2 core in float32. Unless a budget is
+# given, it sizes chunks to DEFAULT_TARGET_ITL_MS instead (StepTimeModel), within 2048 tokens.
+DEFAULT_TOKEN_BUDGET = {"both": 2048, "prefill": 2048, "decode": 2048}
+DEFAULT_TARGET_ITL_MS = {"both": 200.0}  # a reading-speed token rate (5 tokens/s); DistServe's chat TPOT SLOs are 0.1-0.2 s
 UNCHUNKED_TOKEN_BUDGET = 4096
 
 
 def for_role(cfg: "EngineConfig", role: str) -> "EngineConfig":
-    """``cfg`` with ``role``'s default token budget (``DEFAULT_TOKEN_BUDGET``) unless one is set;
-    without chunked prefill, the prefill batch bound of before (``UNCHUNKED_TOKEN_BUDGET``)."""
+    """``cfg`` with ``role``'s defaults where it sets none: without chunked prefill, the prefill
+    batch bound of before (``UNCHUNKED_TOKEN_BUDGET``); with it, ``DEFAULT_TOKEN_BUDGET[role]`` and,
+    unless a token budget was given (vLLM's rule exactly), ``DEFAULT_TARGET_ITL_MS[role]``."""
     from dataclasses import replace
 
     if cfg.max_num_batched_tokens is not None:
         return cfg
-    budget = DEFAULT_TOKEN_BUDGET[role] if cfg.enable_chunked_prefill else UNCHUNKED_TOKEN_BUDGET
-    return replace(cfg, max_num_batched_tokens=budget)
+    if not cfg.enable_chunked_prefill:
+        return replace(cfg, max_num_batched_tokens=UNCHUNKED_TOKEN_BUDGET)
+    target = cfg.target_itl_ms if cfg.target_itl_ms is not None else DEFAULT_TARGET_ITL_MS.get(role)
+    return replace(cfg, max_num_batched_tokens=DEFAULT_TOKEN_BUDGET[role], target_itl_ms=target)
 
 
 @dataclass(frozen=True)

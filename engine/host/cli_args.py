@@ -76,16 +76,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="max sequences per batch")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="token budget of one step: prompts are cut into chunks to fit it beside the decoding "
-                             "sequences (default: 256 on colocated workers, so a prompt stalls decoding by about "
-                             "one 256-token forward; 2048 on prefill and decode workers). With "
-                             "--no-chunked-prefill, the most prompt tokens of one prefill batch")
+                             "sequences (vLLM's rule; default 2048, and colocated workers then size chunks to "
+                             "--target-itl-ms). With --no-chunked-prefill, the most prompt tokens of one prefill "
+                             "batch")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="prefill whole prompts in steps of their own (decode waits for them), as before "
                              "chunked prefill; for comparison")
     parser.add_argument("--target-itl-ms", type=positive_float, default=None,
                         help="chunked prefill: cut each step's prompt chunk so the step, and so the inter-token "
                              "gap of the sequences decoding beside it, takes about this long (a step-time model "
-                             "fitted online to this hardware; --max-num-batched-tokens stays the cap)")
+                             "fitted online to this hardware; --max-num-batched-tokens stays the cap). Default "
+                             "200 on colocated workers when --max-num-batched-tokens is not given")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="do not keep full KV blocks for reuse by later requests with the same prefix")
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")

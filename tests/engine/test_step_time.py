@@ -117,3 +117,19 @@ def test_target_itl_flag_reaches_the_engine_config() -> None:
     assert engine_config_from_args(parser.parse_args([]), device="cpu").target_itl_ms is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--target-itl-ms", "0"])
+
+
+def test_role_defaults() -> None:
+    from pdserve.engine.config import for_role
+    base = EngineConfig(model="embedded")
+    both = for_role(base, "both")
+    assert both.target_itl_ms == 200.0 and both.max_num_batched_tokens == 2048
+    assert for_role(base, "prefill").target_itl_ms is None and for_role(base, "decode").target_itl_ms is None
+    budget = for_role(EngineConfig(model="embedded", max_num_batched_tokens=256), "both")
+    assert budget.max_num_batched_tokens == 256 and budget.target_itl_ms is None  # a given budget is vLLM's rule
+    assert for_role(EngineConfig(model="embedded", target_itl_ms=80.0), "both").target_itl_ms == 80.0
+    assert for_role(EngineConfig(model="embedded", target_itl_ms=80.0), "prefill").target_itl_ms == 80.0
+    unchunked = for_role(EngineConfig(model="embedded", enable_chunked_prefill=False), "both")
+    assert unchunked.max_num_batched_tokens == 4096 and unchunked.target_itl_ms is None
+    sched = Engine(for_role(EngineConfig(model="embedded", num_kv_blocks=64), "both")).scheduler
+    assert sched.target_step_s == 0.2 and sched.max_num_batched_tokens == 2048
