@@ -95,6 +95,9 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
     fixed = args.input_len is not None and args.output_len is not None
     if args.arrival == "trace" or not fixed:
         rows = sample_conversations(load_trace(args.trace, args.datasets_dir), args.conversation_sample, args.seed)
+        if not rows and args.conversation_sample is not None:
+            raise ValueError(f"--conversation-sample {args.conversation_sample:g} (--seed {args.seed}) kept no "
+                             f"requests of the trace; take a larger fraction")
         rows = window(rows, args.trace_start, args.duration, args.num_requests)
         if not rows:
             raise ValueError(f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) "

@@ -170,6 +170,9 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.token_budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):
-            raise ValueError(f"target_itl_ms must be a number > 0, got {self.target_itl_ms}")
+            raise ValueError(f"target_itl_ms must be a finite number > 0, got {self.target_itl_ms}")
+        if self.target_itl_ms is not None and not self.enable_chunked_prefill:
+            raise ValueError("--target-itl-ms sizes prefill chunks, so it needs chunked prefill; "
+                             "drop --no-chunked-prefill or --target-itl-ms")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

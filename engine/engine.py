@@ -64,6 +64,13 @@ class Engine:
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.token_budget, cfg.enable_chunked_prefill,
                                    None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
+        if not cfg.enable_chunked_prefill:
+            log.info("scheduling: prefill-first, up to %d prompt tokens a prefill step", cfg.token_budget)
+        elif cfg.target_itl_ms is None:
+            log.info("scheduling: chunked prefill, %d tokens a step", cfg.token_budget)
+        else:
+            log.info("scheduling: chunked prefill, chunks sized to %g ms steps, at most %d tokens a step",
+                     cfg.target_itl_ms, cfg.token_budget)
         self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > max_pos:

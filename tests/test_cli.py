@@ -100,9 +100,10 @@ def test_serve_generate_and_ctrl_c():
     (["generate", "hi", "--seed", "-1"], "must be >= 0"),
     (["serve", "--prefill", "0"], "must be >= 1"),
     (["bench", "--num-requests", "0"], "must be >= 1"),
-    (["bench", "--rate", "-1"], "must be a number > 0"),
-    (["compare", "--rates", "1,0"], "must be a number > 0"),
+    (["bench", "--rate", "-1"], "must be a finite number > 0"),
+    (["compare", "--rates", "1,0"], "must be a finite number > 0"),
     (["serve", "--model", "/nonexistent/model", "--port", "0"], "not a folder"),
+    (["serve", "--no-chunked-prefill", "--target-itl-ms", "50", "--port", "0"], "needs chunked prefill"),
 ])
 def test_bad_flags_get_one_clear_line(argv, needle):
     run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)

@@ -51,7 +51,7 @@ def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     value = float(text)
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

@@ -113,14 +113,14 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """The token budget of the next chunked step: ``max_num_batched_tokens``, or with
-        ``target_step_s`` and a fitted step-time model, the decoding sequences plus the prompt
-        tokens that fit the target beside them (at least one block, at most the cap)."""
+        ``target_step_s``, the decoding sequences plus the prompt tokens the step-time model says
+        fit the target beside them (at least one block, at most the cap)."""
         cap = self.max_num_batched_tokens
         if self.target_step_s is None:
             return cap
         decoding = sum(1 for s in self.running if s.is_decoding)
         prompt = self.step_time.prompt_tokens_within(self.target_step_s, decoding)
-        return cap if prompt is None else min(cap, decoding + max(prompt, self.blocks.block_size))
+        return min(cap, decoding + max(prompt, self.blocks.block_size))
 
     def observe_step(self, batch: Batch, seconds: float) -> None:
         """Feed a finished step's time to the step-time model (used with ``target_step_s``)."""

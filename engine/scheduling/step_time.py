@@ -21,7 +21,10 @@ class StepTimeModel:
     """Exponentially weighted least-squares fit of step seconds on (1, decode rows, prompt tokens).
 
     ``decay`` in (0, 1) weights the step ``k`` steps ago by ``decay**k`` (0.97: about the last 33
-    steps). ``min_steps`` steps must be seen before :meth:`prompt_tokens_within` answers.
+    steps). Until ``min_steps`` steps are seen (or while the fit is degenerate),
+    :meth:`prompt_tokens_within` answers from a proportional model instead, seconds per computed
+    row over the same steps: it charges the per-step cost to the rows, so it errs small, and a cold
+    worker never takes one huge first chunk.
     """
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8) -> None:
@@ -32,6 +35,8 @@ class StepTimeModel:
         self.num_steps = 0
         self._xtx = np.zeros((3, 3))
         self._xty = np.zeros(3)
+        self._rows = 0.0  # weighted rows and seconds, for the proportional model
+        self._seconds = 0.0
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         """Record one finished step: ``decode_rows`` sequences decoded one token each,
@@ -39,6 +44,8 @@ class StepTimeModel:
         x = np.array([1.0, decode_rows, prompt_tokens])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
+        self._rows = self.decay * self._rows + decode_rows + prompt_tokens
+        self._seconds = self.decay * self._seconds + seconds
         self.num_steps += 1
 
     def coefficients(self) -> tuple[float, float, float] | None:
@@ -53,12 +60,14 @@ class StepTimeModel:
             return None
         return float(max(a, 0.0)), float(max(c, 0.0)), float(b)
 
-    def prompt_tokens_within(self, seconds: float, decode_rows: int) -> int | None:
+    def prompt_tokens_within(self, seconds: float, decode_rows: int) -> int:
         """The most prompt tokens a step beside ``decode_rows`` decoding sequences can compute and
-        still take at most ``seconds``, per the fit (0 when the decode rows alone take longer);
-        None while there is no fit."""
+        still take at most ``seconds``: from the fit, else from the proportional model; 0 when the
+        decode rows alone take longer, or before any step was seen."""
         fit = self.coefficients()
-        if fit is None:
-            return None
-        a, c, b = fit
-        return max(0, int((seconds - a - c * decode_rows) / b))
+        if fit is not None:
+            a, c, b = fit
+            return max(0, int((seconds - a - c * decode_rows) / b))
+        if self._rows <= 0 or self._seconds <= 0:
+            return 0
+        return max(0, int(seconds * self._rows / self._seconds) - decode_rows)

@@ -231,6 +231,12 @@ def test_conversation_sample_raises_the_reuse_of_a_short_run(conversation, token
     assert abs(prefix_reuse_ceiling([s.prompt_token_ids for s in specs]) - sampled) < 0.05  # same reuse in tokens
 
 
+def test_an_empty_conversation_sample_says_so(conversation, tokenizer):
+    args = _args("--trace", "mooncake-conversation", "--conversation-sample", "1e-9", "--prompts", "random")
+    with pytest.raises(ValueError, match="kept no requests"):
+        build_specs(args, tokenizer, 2048, 1.0)
+
+
 def test_conversation_sample_needs_hash_ids():
     with pytest.raises(ValueError, match="hash ids"):
         sample_conversations([TraceRow(0.0, 10, 10)], 0.5)
