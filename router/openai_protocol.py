@@ -194,8 +194,8 @@ def _json_error(msg: str) -> str:
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error object."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
-            429: "RateLimitError",
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+            409: "ConflictError", 413: "BadRequestError", 429: "RateLimitError",
             503: "ServiceUnavailableError", 504: "TimeoutError"}.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
