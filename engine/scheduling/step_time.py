@@ -23,8 +23,8 @@ class StepTimeModel:
     ``decay`` in (0, 1) weights the step ``k`` steps ago by ``decay**k`` (0.97: about the last 33
     steps). Until ``min_steps`` steps are seen (or while the fit is degenerate),
     :meth:`prompt_tokens_within` answers from a proportional model instead, seconds per computed
-    row over the same steps: it charges the per-step cost to the rows, so it errs small, and a cold
-    worker never takes one huge first chunk.
+    row over the same steps. It charges the per-step cost to the rows, so where that cost dominates
+    (small steps on a CPU) it errs small, and a cold worker does not take one huge first chunk.
     """
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8) -> None:
