@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.v1 import generate_pb2
 
@@ -120,10 +120,26 @@ class CompletionRequest(_Common):
         return self._generate_request(prompt_token_ids=p)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[dict] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        return role
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None:  # tool calls, the one case OpenAI allows it, are not supported
+            raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
+        return self
 
     def for_template(self) -> dict:
         """The message as templates expect it: text parts of a content list joined into one string."""

@@ -14,6 +14,7 @@ from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2, worker_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_CHARS = 256  # request ids travel in every worker call, log line and abort
 
 
 class InvalidRequest(ValueError):
@@ -95,6 +96,8 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
         errors.append(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if any(not x for x in stop):
         errors.append("stop strings must be non-empty")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        errors.append(f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if errors:
         raise InvalidRequest("; ".join(errors))
     seed = s.seed if s.HasField("seed") else (0 if temperature == 0 else secrets.randbits(63))

@@ -26,6 +26,7 @@ BAD_REQUESTS = [
     (make_request("word " * 3000), "context window"),
     (make_request("", prompt_token_ids=[5, 10**6]), "out of range"),
     (make_request("hello", stop=[""]), "stop strings must be non-empty"),
+    (make_request("hello", request_id="x" * 100_000), "request_id has 100000 characters; at most 256"),
 ]
 
 

@@ -62,6 +62,9 @@ def test_bad_shapes_name_their_field(body, param):
     ({"prompt": "hi", "top_k": -2}, "top_k must be >= -1 (-1 or 0 disables), got -2"),
     ({"prompt": "hi", "seed": -5}, "seed must be >= 0, got -5"),
     ({"prompt": "hi", "max_tokens": 1 << 32}, f"max_tokens must be <= {(1 << 32) - 1}, got {1 << 32}"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+     "messages.1.role: role must be one of system, developer, user, assistant, tool, got 'wizard'"),
+    ({"messages": [{"role": "user"}]}, "messages.0: a user message needs content: a string or a list of text parts"),
 ])
 def test_messages_say_what_is_wrong_and_what_is_allowed(body, message):
     with pytest.raises(BadRequest) as info:
