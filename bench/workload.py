@@ -76,11 +76,11 @@ def default_datasets_dirs() -> list[Path]:
 def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
     """``relative`` under the datasets folder; FileNotFoundError (saying how to point elsewhere) if absent."""
     path = resolve_datasets_dir(datasets_dir) / relative
-    searched = datasets_dir is None and not os.environ.get(DATASETS_ENV)
-    if not path.is_file() and searched and not any(c.is_dir() for c in default_datasets_dirs()):
+    searched = [] if datasets_dir is not None or os.environ.get(DATASETS_ENV) else default_datasets_dirs()
+    if not path.is_file() and searched and not any(c.is_dir() for c in searched):
         raise FileNotFoundError(
             f"dataset file {relative} not found: no datasets folder at "
-            f"{', '.join(str(c) for c in default_datasets_dirs())}; point at it with --datasets-dir "
+            f"{', '.join(str(c) for c in searched)}; point at it with --datasets-dir "
             f"(or the {DATASETS_ENV} environment variable)")
     if not path.is_file():
         raise FileNotFoundError(

@@ -76,7 +76,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.target_step_s = target_step_s if chunked_prefill else None
-        self.step_time = StepTimeModel()  # fed by the engine after every step (observe_step)
+        self.step_time = StepTimeModel()  # fed by the engine after every step (observe_step) with a target
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order
         self._next_turn = 0  # where the next step starts when not all running fit one step
@@ -123,7 +123,9 @@ class Scheduler:
         return min(cap, decoding + max(prompt, self.blocks.block_size))
 
     def observe_step(self, batch: Batch, seconds: float) -> None:
-        """Feed a finished step's time to the step-time model (used with ``target_step_s``)."""
+        """Feed a finished step's time to the step-time model; a no-op without ``target_step_s``."""
+        if self.target_step_s is None:
+            return
         decode = batch.num_decode_rows
         self.step_time.observe(decode, sum(batch.num_query_tokens) - decode, seconds)
 
