@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -9,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+import psutil
 import ray
 
 from pdserve.cluster.actors import RouterActor, WorkerActor
@@ -19,6 +21,7 @@ from pdserve.engine.host.auth import cluster_secret
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
 WORKER_MAX_RESTARTS = 10  # per worker, over the cluster's life
+RAY_START_ATTEMPTS = 3  # a local ray.init that times out is cleaned up and tried again
 
 
 @dataclass
@@ -69,9 +72,38 @@ def _init_ray(cfg: ClusterConfig, needed_cpus: int) -> bool:
     if needed_cpus > cpus:
         log.warning("placement asks for %d CPUs, this machine has %d: workers will share cores",
                     needed_cpus, cpus)
-    ray.init(num_cpus=max(cpus, needed_cpus), include_dashboard=False, configure_logging=False,
-             log_to_driver=True)
+    _start_local_ray(max(cpus, needed_cpus))
     return True
+
+
+def _start_local_ray(num_cpus: int) -> None:
+    """``ray.init`` of a local instance, tried up to RAY_START_ATTEMPTS times.
+
+    Ray gives a new raylet a fixed 30 s to register with its GCS and raises a plain Exception
+    ("The current node timed out during startup") past that; on a loaded machine this can happen
+    once and not again. A failed start leaves its GCS and raylet running (Ray forgets a node whose
+    start failed), so the processes it spawned are killed before the next try. Raises the last
+    attempt's exception; ValueError and TypeError (bad arguments) are not retried.
+    """
+    me = psutil.Process()
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=True)
+            return
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            ray.shutdown()
+            spawned = [p for p in me.children(recursive=True) if p.pid not in before]
+            for proc in spawned:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            psutil.wait_procs(spawned, timeout=10)
+            if attempt == RAY_START_ATTEMPTS:
+                raise
+            log.warning("local Ray failed to start (%s); killed %d of its processes, trying again (%d of %d)",
+                        exc, len(spawned), attempt + 1, RAY_START_ATTEMPTS)
 
 
 def start_cluster(cfg: ClusterConfig) -> Cluster:
