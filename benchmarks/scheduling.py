@@ -6,9 +6,9 @@ replayed from a trace (Mooncake: a 1/16 hashed sample of its conversations, ``--
 
 * colocated, chunked prefill (the default: chunks sized to a 200 ms step; and a fixed 256-token
   budget) vs ``--no-chunked-prefill``: p99 and max ITL, TTFT;
-* split, no prefix caching + least-loaded routing (the baseline), prefix caching + least-loaded,
-  and prefix caching + prefix-aware routing + conditional disaggregation (the defaults), with 1 + 1
-  and 2 + 2 workers: prefix hit rate, TTFT p50/p90/mean, KV bytes moved from prefill to decode
+* split, no prefix caching + least-loaded routing (the baseline, as before these features), prefix
+  caching + least-loaded, and prefix caching + prefix-aware routing + conditional disaggregation
+  (the defaults), each with 1 + 1 and 2 + 2 workers: prefix hit rate, TTFT p50/p90/mean, KV bytes moved from prefill to decode
   (``pdserve:kv_transfer_bytes`` on the router's /metrics), requests prefilled on the decode worker.
 
 It prints one markdown table per trace and the ratios the README quotes. Loopback only, bounded.
@@ -47,6 +47,9 @@ VARIANTS = {  # name -> (placement, engine changes, cluster changes)
     "split-cache-least-loaded": ("split", {}, {"routing": "least-loaded", "local_prefill_tokens": 0}),
     "split-cache-prefix-aware": ("split", {}, {}),
     # 2 prefill + 2 decode workers sharing the 2 cores: routing has a choice to make
+    "split-2x2-no-cache": ("split", {"enable_prefix_caching": False},
+                                    {"routing": "least-loaded", "local_prefill_tokens": 0,
+                                     "num_prefill": 2, "num_decode": 2}),
     "split-2x2-cache-least-loaded": ("split", {}, {"routing": "least-loaded", "local_prefill_tokens": 0,
                                                    "num_prefill": 2, "num_decode": 2}),
     "split-2x2-cache-prefix-aware": ("split", {}, {"num_prefill": 2, "num_decode": 2}),
@@ -107,7 +110,7 @@ def ratios(rows: dict[str, dict]) -> list[str]:
                        f"{ratio('itl_max', chunked, 'colocated-unchunked')}; mean TTFT: "
                        f"{ratio('ttft_mean', chunked, 'colocated-unchunked')}")
     for aware, bases in (("split-cache-prefix-aware", ("split-cache-least-loaded", "split-no-cache")),
-                         ("split-2x2-cache-prefix-aware", ("split-2x2-cache-least-loaded",))):
+                         ("split-2x2-cache-prefix-aware", ("split-2x2-cache-least-loaded", "split-2x2-no-cache"))):
         for base in bases:
             t, kv = ratio("ttft_mean", aware, base), ratio("kv_bytes", aware, base)
             if t:
