@@ -66,13 +66,15 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_pb2.Timings]
                         ) -> AsyncIterator[WorkerEvent]:
-    """A worker's TokenBatch stream as WorkerEvents; ``final(worker_timings)`` gives the last one's
-    timings. A stream that ends without a final batch raises INTERNAL."""
+    """A worker's TokenBatch stream as WorkerEvents; ``final(worker_timings)`` gives the timings of
+    each batch that carries some (the first, with the phases known then, and the last). A stream
+    that ends without a final batch raises INTERNAL."""
     async for batch in call:
+        timings = final(batch.timings) if batch.HasField("timings") else None
         if batch.finish_reason:
-            yield WorkerEvent(list(batch.token_ids), batch.finish_reason, final(batch.timings))
+            yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
             return
-        yield WorkerEvent(list(batch.token_ids))
+        yield WorkerEvent(list(batch.token_ids), timings=timings)
     raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                "worker stream ended without a final message")
 

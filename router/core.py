@@ -106,6 +106,7 @@ class RouterCore:
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         usage = PB.Usage(prompt_tokens=len(req.prompt_token_ids))
         finish, timings, last_ns = PB.FINISH_REASON_UNSPECIFIED, PB.Timings(), None
+        timings_ns = None  # when the latest timings arrived, while they are not the worker's final ones
         events = self.backend.stream(req, state, t0, timeout)
         try:
             async for ev in events:
@@ -114,7 +115,7 @@ class RouterCore:
                 last_ns = now
                 usage.completion_tokens += len(ev.token_ids)
                 if ev.timings is not None:  # phases known so far survive a stop string's early end
-                    timings = ev.timings
+                    timings, timings_ns = ev.timings, (None if ev.finish else now)
                 text = detok.add(ev.token_ids)
                 yield PB.GenerateResponse(chunk=PB.Chunk(token_ids=ev.token_ids, text=text, usage=usage))
                 if detok.stopped:
@@ -153,6 +154,8 @@ class RouterCore:
             await events.aclose()
             self.inflight.pop(req.request_id, None)
         rest = "" if detok.stopped or finish == PB.FINISH_REASON_ABORT else detok.finish()
+        if timings_ns is not None and last_ns is not None:  # ended before the worker's last message
+            timings.decode_ns += last_ns - timings_ns
         timings.total_ns = time.monotonic_ns() - t0
         self.metrics.finished(finish, t0, timings, usage.prompt_tokens)
         yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,

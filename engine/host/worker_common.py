@@ -66,8 +66,11 @@ async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
     """Turn a request's events into TokenBatch messages until its last token.
 
     Tokens already queued are coalesced into one message. ``final_timings(seq, end_ns)`` fills the
-    last message's timings. An ErrorEvent aborts the RPC with INTERNAL.
+    last message's timings, and the first message's with the phases known by then (queue, prefill,
+    KV transfer; decode so far), so a client that stops reading early (a stop string matched by
+    the router) still has them. An ErrorEvent aborts the RPC with INTERNAL.
     """
+    first = True
     while True:
         events = await drain(q)
         tokens = []
@@ -79,7 +82,9 @@ async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
                 yield worker_pb2.TokenBatch(token_ids=tokens, finish_reason=FINISH_TO_PROTO[ev.finish],
                                             timings=final_timings(ev.seq, ev.at_ns))
                 return
-        yield worker_pb2.TokenBatch(token_ids=tokens)
+        last = events[-1]
+        yield worker_pb2.TokenBatch(token_ids=tokens, timings=final_timings(last.seq, last.at_ns) if first else None)
+        first = False
 
 
 class EngineHost:
