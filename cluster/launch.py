@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
 WORKER_MAX_RESTARTS = 10  # per worker, over the cluster's life
 RAY_START_ATTEMPTS = 3  # a local ray.init that times out is cleaned up and tried again
+RAY_CONNECT_TIMEOUT_S = 5.0  # --address: how long a TCP connection to the Ray head may take
 
 
 @dataclass
@@ -66,6 +68,7 @@ def _init_ray(cfg: ClusterConfig, needed_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     if cfg.ray_address:
+        check_ray_address(cfg.ray_address)
         ray.init(address=cfg.ray_address, configure_logging=False, log_to_driver=True)
         return False
     cpus = os.cpu_count() or 1
@@ -74,6 +77,26 @@ def _init_ray(cfg: ClusterConfig, needed_cpus: int) -> bool:
                     needed_cpus, cpus)
     _start_local_ray(max(cpus, needed_cpus))
     return True
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Fail fast when nothing listens at a Ray cluster's address ("host:port", or "ray://host:port"
+    for Ray Client; "auto" is left to Ray). ``ray.init`` on a dead address retries for minutes and
+    does not stop on Ctrl-C. Raises ValueError for an address without a port, RuntimeError when no
+    TCP connection opens within ``timeout_s`` seconds."""
+    if address == "auto":
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--address {address!r}: expected host:port (a Ray head's GCS, e.g. 10.0.0.5:6379), "
+                         f"ray://host:port or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise RuntimeError(f"cannot reach a Ray cluster at {address}: {reason}; start one there "
+                           f"(`ray start --head`) or leave out --address to start a local one") from None
 
 
 def _start_local_ray(num_cpus: int) -> None:

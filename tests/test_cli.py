@@ -104,6 +104,7 @@ def test_serve_generate_and_ctrl_c():
     (["compare", "--rates", "1,0"], "must be a finite number > 0"),
     (["serve", "--model", "/nonexistent/model", "--port", "0"], "not a folder"),
     (["serve", "--no-chunked-prefill", "--target-itl-ms", "50", "--port", "0"], "needs chunked prefill"),
+    (["serve", "--address", "127.0.0.1:1", "--port", "0"], "cannot reach a Ray cluster at 127.0.0.1:1"),
 ])
 def test_bad_flags_get_one_clear_line(argv, needle):
     run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)

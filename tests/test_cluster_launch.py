@@ -62,3 +62,30 @@ def test_bad_arguments_are_not_retried(monkeypatch):
     with pytest.raises(ValueError):
         launch._start_local_ray(0)
     assert len(calls) == 1
+
+
+def test_an_address_where_nothing_listens_fails_at_once():
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"cannot reach a Ray cluster at 127.0.0.1:{port}"):
+        launch.check_ray_address(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < launch.RAY_CONNECT_TIMEOUT_S
+
+
+def test_an_address_with_a_listener_passes_and_bad_forms_are_refused():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        launch.check_ray_address(f"127.0.0.1:{s.getsockname()[1]}")
+        launch.check_ray_address(f"ray://127.0.0.1:{s.getsockname()[1]}")
+    launch.check_ray_address("auto")  # Ray finds it itself
+    for bad in ("127.0.0.1", "127.0.0.1:port", ":6379", "127.0.0.1:70000"):
+        with pytest.raises(ValueError, match="expected host:port"):
+            launch.check_ray_address(bad)
