@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_compare_parser(sub)
     add_soak_parser(sub)
+    parser.set_defaults(subcommands=sub.choices)  # main() reports a stray flag with its command's usage
     return parser
 
 
@@ -246,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     answer, a cluster that cannot start) print one ``error:`` line and exit 2; Ctrl-C exits 130."""
     import grpc
 
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # argparse would print the top-level usage: show the command's own instead
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)

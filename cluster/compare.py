@@ -151,7 +151,7 @@ def _sweep(label: str, open_backend, workloads: dict, slo, args, out: Path, cons
 
 
 def add_compare_parser(sub) -> None:
-    from pdserve.engine.host.cli_args import add_engine_args, positive_float, positive_int
+    from pdserve.engine.host.cli_args import add_engine_args, positive_float, positive_int, rate_list
 
     p = sub.add_parser("compare", help="A/B colocated vs split placement on the same resources and requests")
     add_engine_args(p)
@@ -162,7 +162,7 @@ def add_compare_parser(sub) -> None:
                    help="split: decode workers (colocated runs prefill+decode workers)")
     p.add_argument("--cpus-per-worker", type=positive_int, default=1)
     p.add_argument("--address", default=None, help="Ray cluster to use (default: a local instance)")
-    p.add_argument("--rates", type=lambda text: [positive_float(r) for r in text.split(",")],
+    p.add_argument("--rates", type=rate_list,
                    default=[0.5, 1.0, 2.0], help="comma-separated request rates to sweep, req/s (default 0.5,1,2)")
     p.add_argument("--slo-scale", type=positive_float, default=3.0,
                    help="default SLOs = this x the unloaded single-request TTFT and TPOT")

@@ -86,14 +86,24 @@ async def _run(address: str, secret: str, prompts: list[str], max_tokens: int, c
             return on_text
 
         reqs = _requests(info.model_path, prompts, max_tokens)
-        with Live(_answers_table(prompts, texts), console=console, refresh_per_second=8) as live:
-            tasks = [asyncio.create_task(client.generate(r, timeout=300, on_text=appender(i)))
-                     for i, r in enumerate(reqs)]
-            while not all(t.done() for t in tasks):
-                await asyncio.sleep(0.1)
-                live.update(_answers_table(prompts, texts))
-            live.update(_answers_table(prompts, texts))
+        tasks = [asyncio.create_task(client.generate(r, timeout=300, on_text=appender(i)))
+                 for i, r in enumerate(reqs)]
+        await show_answers(console, prompts, texts, tasks)
         return [t.result() for t in tasks]
+
+
+async def show_answers(console: Console, prompts: list[str], texts: list[str], tasks: list[asyncio.Task]) -> None:
+    """The answers table, redrawn as ``texts`` grow until every task is done, on a terminal; printed
+    once when they are done otherwise (rich's Live leaves a pipe without its last newline)."""
+    if not console.is_terminal:
+        await asyncio.wait(tasks)
+        console.print(_answers_table(prompts, texts))
+        return
+    with Live(_answers_table(prompts, texts), console=console, refresh_per_second=8) as live:
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0.1)
+            live.update(_answers_table(prompts, texts))
+        live.update(_answers_table(prompts, texts))
 
 
 def cmd_demo(args) -> int:

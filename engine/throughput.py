@@ -183,7 +183,7 @@ def format_result(r: ThroughputResult) -> str:
         f"{r.prefill_fraction:.0%})",
         f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   (bound {r.decode_step_bound_ms:.2f} ms, "
         f"{r.decode_fraction:.0%})",
-        f"probes    matmul {r.matmul_tflops:.2f} TFLOP/s at prefill rows, {r.matmul_tflops_decode:.2f} at "
+        f"probes    matmul {r.matmul_tflops * 1e3:.1f} GFLOP/s at prefill rows, {r.matmul_tflops_decode * 1e3:.1f} at "
         f"{r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
         *(["warning: a figure is past its bound, so the probes were slowed by other work on this machine; "
            "rerun it on a quiet one"] if max(r.prefill_fraction, r.decode_fraction, r.total_fraction) > 1 else []),

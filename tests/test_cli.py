@@ -105,6 +105,8 @@ def test_serve_generate_and_ctrl_c():
     (["serve", "--model", "/nonexistent/model", "--port", "0"], "not a folder"),
     (["serve", "--no-chunked-prefill", "--target-itl-ms", "50", "--port", "0"], "needs chunked prefill"),
     (["serve", "--address", "127.0.0.1:1", "--port", "0"], "cannot reach a Ray cluster at 127.0.0.1:1"),
+    (["compare", "--rates", "abc"], "expected comma-separated numbers > 0, got 'abc'"),
+    (["generate", "hi", "--bogus"], "usage: pdserve generate"),  # the command's usage, not pdserve's
 ])
 def test_bad_flags_get_one_clear_line(argv, needle):
     run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)
@@ -129,6 +131,11 @@ def test_throughput_prints_and_writes_figures(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "tok/s" in run.stdout and "ms/step at batch 3" in run.stdout
+    import re
+
+    # the GEMM probes in units that show a small CPU's rate (not "0.00 TFLOP/s")
+    probe = re.search(r"matmul ([0-9.]+) GFLOP/s at prefill rows, ([0-9.]+) at 3 rows", run.stdout)
+    assert probe and float(probe[1]) > 0 and float(probe[2]) > 0, run.stdout
     import json
 
     figures = json.loads(out_json.read_text())
@@ -176,3 +183,34 @@ def test_demo_banners_break_only_where_they_mean_to_on_80_columns():
         out = StringIO()
         Console(file=out, width=80, color_system=None).print(f"[dim]{text}[/]")
         assert out.getvalue().splitlines() == text.split("\n")
+
+
+def test_demo_tables_each_start_on_a_line_of_their_own_in_a_pipe():
+    import asyncio
+    import io
+
+    from rich.console import Console
+
+    from pdserve.cluster.demo import _figures_table, show_answers
+    from pdserve.router.client import GenerationResult
+
+    out = io.StringIO()
+    console = Console(file=out, width=100)  # not a terminal, as when the demo's output is piped
+
+    async def answer(texts, i):
+        await asyncio.sleep(0.01 * (i + 1))
+        texts[i] += f"answer {i}"
+        return GenerationResult(text=texts[i], token_ids=[1, 2], sent_at=0.0, token_times=[0.1, 0.2])
+
+    async def run():
+        texts = ["", ""]
+        tasks = [asyncio.create_task(answer(texts, i)) for i in range(2)]
+        await show_answers(console, ["first prompt", "second prompt"], texts, tasks)
+        return [t.result() for t in tasks]
+
+    results = asyncio.run(run())
+    console.print(_figures_table(["first prompt", "second prompt"], results))
+    lines = out.getvalue().splitlines()
+    assert "answer 0" in out.getvalue() and "answer 1" in out.getvalue()
+    title = next(line for line in lines if "per request" in line)
+    assert title.strip() == "per request"

@@ -55,6 +55,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def rate_list(text: str) -> list[float]:
+    """argparse type: comma-separated finite numbers > 0 (request rates, req/s)."""
+    try:
+        return [positive_float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}") from None
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
     value = float(text)
