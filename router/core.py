@@ -28,11 +28,12 @@ SHUTDOWN_MESSAGE = "server shutting down"
 
 class RequestRejected(Exception):
     """The request failed before any token was streamed; ``code`` is the gRPC status it maps to
-    (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE, or the failing worker's own code)."""
+    (INVALID_ARGUMENT, ALREADY_EXISTS, UNAVAILABLE, or the failing worker's own code); ``param``
+    names the request field at fault, when one is (``InvalidRequest.param``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.param = code, message, param
 
 
 class RouterCore:
@@ -78,12 +79,13 @@ class RouterCore:
         """The index of the API key in ``metadata`` (gRPC metadata or HTTP headers as pairs)."""
         return key_index(self.api_keys, bearer(metadata)) if self.api_keys else None
 
-    async def generate(self, request: PB.GenerateRequest, timeout: float | None, owner: int | None = None
-                       ) -> AsyncIterator[PB.GenerateResponse]:
+    async def generate(self, request: PB.GenerateRequest, timeout: float | None, owner: int | None = None,
+                       names: dict[str, str] | None = None) -> AsyncIterator[PB.GenerateResponse]:
         """The response stream of one request: chunks, then one ``complete`` or ``error`` message.
 
         ``timeout``: seconds left of the client's deadline (None: none); ``owner``: the caller's
-        API key index, which Abort must match. Raises RequestRejected
+        API key index, which Abort must match; ``names``: the client's names of request fields,
+        for errors (``validate``). Raises RequestRejected
         before the first message when the request cannot start; a failure after tokens were
         streamed ends the stream with an ``error`` message instead. Cancelling the consumer cancels
         the worker calls, which free the request's KV blocks.
@@ -92,10 +94,10 @@ class RouterCore:
         try:
             # tokenizing a huge prompt takes seconds: keep the event loop serving other clients
             req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size,
-                                          self.sampling_defaults)
+                                          self.sampling_defaults, names)
         except InvalidRequest as exc:
             self.metrics.rejected("invalid")
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from None
         if self.shutting_down:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if req.request_id in self.inflight:

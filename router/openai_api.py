@@ -4,8 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as ser
 ending in ``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only when
 every pool has a healthy worker, else 503) and ``GET /metrics`` (Prometheus text format).
 
-Errors are OpenAI error objects: 400 for a bad request (malformed JSON, wrong types, ``n`` other
-than 1, over the context window, bad sampling values, chat on a model without a template), 404 for
+Errors are OpenAI error objects, whose ``param`` names the field at fault as the client sent it
+(``max_completion_tokens``, ``messages``): 400 for a bad request (malformed JSON, wrong types, ``n``
+other than 1, over the context window, bad sampling values, chat on a model without a template), 404 for
 an unknown model, 503 when no worker can serve, 504 when a worker's deadline passed, 500 otherwise.
 A failure after tokens were streamed arrives as a ``data: {"error": ...}`` event before ``[DONE]``.
 A client that disconnects cancels its request on every worker, which frees its KV blocks.
@@ -90,19 +91,19 @@ def build_app(core: RouterCore) -> FastAPI:
         except BadRequest as exc:
             core.metrics.rejected("invalid")
             return _error(str(exc), 400, exc.param)
-        except (ChatTemplateError, InvalidRequest) as exc:
+        except (ChatTemplateError, InvalidRequest) as exc:  # no template, or the rendered prompt cannot fit
             core.metrics.rejected("invalid")
             return _error(str(exc), 400, "messages")
         except LookupError as exc:
             core.metrics.rejected("invalid")
             return _error(str(exc), 404, "model")
         gen_req.request_id = uuid.uuid4().hex
-        stream = core.generate(gen_req, None, core.owner_of(request.headers.items()))
+        stream = core.generate(gen_req, None, core.owner_of(request.headers.items()), req.field_names())
         try:
             first = await anext(stream)
         except RequestRejected as exc:
             await stream.aclose()
-            response = _error(exc.message, HTTP_STATUS.get(exc.code, 500))
+            response = _error(exc.message, HTTP_STATUS.get(exc.code, 500), exc.param)
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 response.headers["retry-after"] = "1"
             return response

@@ -2,8 +2,10 @@
 
 Reference: the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``, error objects)
 and vLLM's extensions that load generators send (``ignore_eos``, ``top_k``). Only the request's
-shape is checked here (types, ``n``, batched prompts); every value check (empty prompt, context
-window, sampling ranges) is the router's one validator, for HTTP and gRPC alike.
+shape is checked here (types, ``n``, batched prompts, the bounds of integer fields: ``max_tokens``
+and ``max_completion_tokens`` >= 1 both, even the one that does not apply); every other value
+check (empty prompt, context window, sampling ranges, stop strings) is the router's one validator,
+for HTTP and gRPC alike, whose errors name the fields as this API calls them (``field_names``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, le=(1 << 31) - 1)  # -1 (vLLM) or 0 disables
@@ -88,6 +90,11 @@ class _Common(BaseModel):
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def field_names(self) -> dict[str, str]:
+        """What this API calls the GenerateRequest fields it fills (where it differs), for the
+        validator's errors (``validate``'s ``names``)."""
+        return {"prompt_token_ids": "prompt"}
 
     @property
     def include_usage(self) -> bool:
@@ -153,11 +160,17 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)  # both checked when both are sent
     add_generation_prompt: bool | None = True
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def field_names(self) -> dict[str, str]:
+        names = {"prompt": "messages", "prompt_token_ids": "messages"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def to_generate_request(self, prompt_token_ids: list[int]) -> PB.GenerateRequest:
         return self._generate_request(prompt_token_ids=prompt_token_ids)
@@ -182,8 +195,8 @@ def parse(model: type[_Common], body: bytes | str) -> _Common:
         raise BadRequest(_field_error(param, err), param) from None
 
 
-# what a bounded field allows, where it says more than its schema bound (max_tokens 0 is the validator's)
-_ALLOWED = {"max_tokens": ">= 1", "max_completion_tokens": ">= 1", "top_k": ">= -1 (-1 or 0 disables)"}
+# what a bounded field allows, where it says more than its schema bound
+_ALLOWED = {"top_k": ">= -1 (-1 or 0 disables)"}
 
 
 def _field_error(param: str | None, err: dict) -> str:

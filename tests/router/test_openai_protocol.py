@@ -72,6 +72,33 @@ def test_messages_say_what_is_wrong_and_what_is_allowed(body, message):
     assert str(info.value) == message
 
 
+CHAT = {"messages": [{"role": "user", "content": "a"}]}
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1, got 0"),
+    # max_completion_tokens wins, but an invalid max_tokens beside it is still an error, and vice versa
+    ({**CHAT, "max_completion_tokens": 3, "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+    ({**CHAT, "max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens",
+     "max_completion_tokens must be >= 1, got 0"),
+])
+def test_token_limits_below_one_name_the_field_sent(body, param, message):
+    with pytest.raises(BadRequest) as info:
+        parse(ChatRequest if "messages" in body else CompletionRequest, body)
+    assert (info.value.param, str(info.value)) == (param, message)
+
+
+def test_the_validator_is_told_what_this_api_calls_the_fields():
+    assert parse(CompletionRequest, {"prompt": [1, 2]}).field_names() == {"prompt_token_ids": "prompt"}
+    assert parse(ChatRequest, {**CHAT, "max_tokens": 4}).field_names().get("max_tokens", "max_tokens") == "max_tokens"
+    both = parse(ChatRequest, {**CHAT, "max_tokens": 4, "max_completion_tokens": 2})
+    assert both.field_names()["max_tokens"] == "max_completion_tokens" and both.to_generate_request([1]).max_tokens == 2
+    assert both.field_names()["prompt"] == "messages"
+
+
 @pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "a\\ud800b", "\\ud800\\u0041"])
 def test_a_lone_surrogate_is_named_as_such(escape):
     with pytest.raises(BadRequest) as info:
@@ -107,9 +134,12 @@ def test_a_chunk_with_nothing_to_say_is_not_sent(kind):
 
 
 def test_values_are_left_to_the_validator():
-    """max_tokens 0 and a negative temperature pass the shape check: the router's validator refuses them."""
-    g = parse(CompletionRequest, {"prompt": "hi", "max_tokens": 0, "temperature": -1}).to_generate_request()
-    assert g.HasField("max_tokens") and g.max_tokens == 0 and g.sampling.temperature == -1
+    """A negative temperature, top_p 0 and long stop strings pass the shape check: the router's validator
+    refuses them (and names the field, see test_validation)."""
+    g = parse(CompletionRequest, {"prompt": "hi", "temperature": -1, "top_p": 0, "stop": ["x" * 5000]}
+              ).to_generate_request()
+    assert g.sampling.temperature == -1 and g.sampling.HasField("top_p") and g.sampling.top_p == 0
+    assert list(g.stop) == ["x" * 5000]
     with pytest.raises(BadRequest, match="batched"):
         parse(CompletionRequest, {"prompt": ["a", "b"]}).to_generate_request()
     with pytest.raises(BadRequest, match="JSON object"):
