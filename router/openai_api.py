@@ -139,7 +139,8 @@ def build_app(core: RouterCore) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown routes, wrong methods
         return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    # one operation per method would share an OpenAPI operation id; a probe is no API operation anyway
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
     async def health():
         missing = core.pool.roles_without_healthy_worker()
         if missing:

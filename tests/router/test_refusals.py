@@ -97,3 +97,14 @@ async def test_grpc_refuses_overlong_stop_strings(stub):
                                                      max_tokens=2)).__aiter__())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"stop strings must have at most {MAX_STOP_CHARS} characters" in info.value.details()
+
+
+async def test_the_openapi_document_has_unique_operation_ids(http):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of a duplicate operation id
+        resp = await http.get("/openapi.json")
+    assert resp.status_code == 200
+    ids = [op["operationId"] for path in resp.json()["paths"].values() for op in path.values()]
+    assert ids and len(ids) == len(set(ids))
