@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import json
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
+from urllib.parse import urlsplit
 
-from pdserve.bench.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets
+from pdserve.bench.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets, slo_from_args
 from pdserve.engine.host.cli_args import positive_float
-from pdserve.bench.metrics import (SLO, RequestRecord, format_prefix_cache, json_safe, prefix_cache_report,
+from pdserve.bench.metrics import (RequestRecord, format_prefix_cache, json_safe, prefix_cache_report,
                                    prefix_reuse_ceiling, summarize)
 from pdserve.bench.workload import RequestSpec
 
@@ -27,6 +31,39 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def http_url(text: str) -> str:
+    """argparse type for ``--url``: an ``http://HOST[:PORT]`` or ``https://HOST[:PORT]`` base URL."""
+    try:
+        parts = urlsplit(text)
+        parts.port  # ValueError for a port that is no number in 0..65535
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid URL {text!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"invalid URL {text!r}: expected http://HOST:PORT or https://HOST:PORT, "
+                                         f"e.g. http://127.0.0.1:8000")
+    return text
+
+
+def prepare_out_dir(out: str) -> Path:
+    """The folder ``--out`` names, created (parents too) and checked writable before any request is
+    sent. ValueError (one line) when it cannot be created or written."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write results to --out {out}: {exc.strerror or exc}") from None
+    return path
+
+
+def first_errors(records: Sequence[RequestRecord], limit: int = 3) -> list[str]:
+    """The first ``limit`` distinct reasons the failed ``records`` give, in request order (the
+    error, else the finish reason)."""
+    reasons = (r.error or f"finished with reason {r.finish_reason or 'none'!r}" for r in records if not r.ok)
+    return list(dict.fromkeys(reasons))[:limit]
+
+
 def write_results(out_dir: Path, records: list[RequestRecord], summary: dict) -> None:
     """``results.jsonl`` (one request per line) and ``summary.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -36,10 +73,19 @@ def write_results(out_dir: Path, records: list[RequestRecord], summary: dict) ->
     (out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False))
 
 
-def print_summary(summary: dict, title: str) -> None:
+def print_summary(summary: dict, title: str, errors: Sequence[str] = ()) -> None:
+    """The latency table and throughput line of a run; when no request succeeded, one line that
+    says so with ``errors`` (the first reasons, :func:`first_errors`) instead."""
     from rich.console import Console
     from rich.table import Table
 
+    if not summary["completed"]:
+        line = (f"{title}: no request succeeded ({summary['failed']} of {summary['requests']} failed)"
+                if summary["requests"] else f"{title}: no request was sent")
+        if errors:
+            line += f"; first error{'s' if len(errors) > 1 else ''}: {' | '.join(errors)}"
+        Console().print(line, highlight=False, markup=False, soft_wrap=True)
+        return
     t = Table(title=title, header_style="bold")
     for col in ("metric", "mean", "p50", "p90", "p99"):
         t.add_column(col, justify="right")
@@ -121,14 +167,14 @@ def tokenizer_folder(served: str) -> str:
 
 
 def cmd_bench(args) -> int:
-    from urllib.parse import urlsplit
-
     from pdserve.engine.text.tokenizer import Tokenizer
 
     target = args.url if args.backend == "openai" else args.router
     host_port = f"{urlsplit(target).hostname}:0" if args.backend == "openai" and target else target
     if target and not is_loopback(host_port) and not args.allow_remote:
         raise SystemExit(f"refusing to load-test non-loopback address {target} (pass --allow-remote)")
+    slo = slo_from_args(args)
+    out = prepare_out_dir(args.out)  # before any request: a folder that cannot be written loses no run
 
     note = fall_back_without_datasets(args)
     if note:
@@ -150,16 +196,14 @@ def cmd_bench(args) -> int:
             prefix_cache = prefix_cache_report(before, await backend.prefix_counters())
             if prefix_cache is not None:
                 prefix_cache["ceiling"] = prefix_reuse_ceiling([s.prompt_token_ids for s in specs])
-        slo = (SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-               if args.slo_ttft_ms is not None and args.slo_tpot_ms is not None else None)
         summary = summarize(records, slo, duration_s=elapsed if interrupted else None)
         summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
                        scheduled=len(specs), interrupted=interrupted, arrival=args.arrival, prompts=args.prompts,
                        backend=backend.name, target=target, prefix_cache=prefix_cache)
-        write_results(Path(args.out), records, summary)
+        write_results(out, records, summary)
         rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
-        print_summary(summary, f"{info.placement} @ {rate}")
-        print(f"results: {Path(args.out) / 'results.jsonl'}, {Path(args.out) / 'summary.json'}")
+        print_summary(summary, f"{info.placement} @ {rate}", first_errors(records))
+        print(f"results: {out / 'results.jsonl'}, {out / 'summary.json'}")
         if interrupted:
             print("interrupted: partial results")
             return 130
@@ -174,7 +218,8 @@ def add_bench_parser(sub) -> None:
                    help="grpc: pdserve's gRPC API at --router; openai: any OpenAI-compatible server at --url "
                         "(streaming /v1/completions, token-id prompts, ignore_eos)")
     p.add_argument("--router", default="127.0.0.1:50051", help="router host:port (--backend grpc)")
-    p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
+    p.add_argument("--url", type=http_url, default=None,
+                   help="server base URL, http(s)://HOST:PORT, e.g. http://127.0.0.1:8000 (--backend openai)")
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
     p.add_argument("--served-model", default=None,
                    help="model id to send (--backend openai; default: the first of GET /v1/models)")
@@ -185,7 +230,8 @@ def add_bench_parser(sub) -> None:
                         "names here: an embedded or GGUF model, or a folder path)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-duration", type=positive_float, default=600.0, help="hard stop for the run, s")
-    p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}",
+                   help="folder for results.jsonl and summary.json; created and checked before any request")
     add_workload_args(p)
     add_slo_args(p)
     p.set_defaults(func=cmd_bench)

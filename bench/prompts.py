@@ -28,7 +28,7 @@ from pdserve.bench.workload import dataset_file
 from pdserve.engine.text.tokenizer import Tokenizer
 
 __all__ = ["PROMPT_SETS", "RANDOM_PROMPTS", "load_prompts", "PromptPool", "RandomPromptPool", "BlockPrompts",
-           "make_prompt_pool"]
+           "prompt_set_names", "make_prompt_pool"]
 
 RANDOM_PROMPTS = "random"  # synthetic prompts: random token ids, no dataset
 
@@ -255,17 +255,34 @@ class BlockPrompts:
         return tuple(ids[:num_tokens]), sources[0]
 
 
+def prompt_set_names(names: str | Sequence[str]) -> list[str]:
+    """The names of ``--prompts`` (comma-separated text, or a list), blanks dropped, checked before
+    any file is read: prompt-set names of :data:`PROMPT_SETS`, or ``random`` alone.
+
+    ValueError for no name, an unknown name (listing the valid ones, ``random`` among them) or
+    ``random`` mixed with prompt sets.
+    """
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    names = list(names)
+    valid = [*PROMPT_SETS, RANDOM_PROMPTS]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise ValueError(f"unknown prompt set(s) {', '.join(unknown) if unknown else 'none given'}; "
+                         f"valid: {', '.join(valid)}")
+    if RANDOM_PROMPTS in names and len(set(names)) > 1:
+        raise ValueError(f"--prompts {RANDOM_PROMPTS} cannot be mixed with prompt sets, got {','.join(names)}")
+    return names
+
+
 def make_prompt_pool(names: str | Sequence[str], tokenizer: Tokenizer, seed: int,
                      datasets_dir: str | Path | None = None) -> PromptPool | RandomPromptPool:
     """The pool for ``--prompts``: comma-separated prompt-set names, or ``random`` alone.
 
-    ValueError when ``random`` is mixed with prompt sets, or (from :func:`load_prompts`) for an
-    unknown name.
+    ValueError (from :func:`prompt_set_names`, before any file is read) for an unknown name or
+    ``random`` mixed with prompt sets; FileNotFoundError when a set's file is absent.
     """
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
-    if RANDOM_PROMPTS in names:
-        if len(set(names)) > 1:
-            raise ValueError(f"--prompts {RANDOM_PROMPTS} cannot be mixed with prompt sets, got {','.join(names)}")
+    names = prompt_set_names(names)
+    if names[0] == RANDOM_PROMPTS:
         return RandomPromptPool(tokenizer, seed)
     return PromptPool(load_prompts(names, datasets_dir), tokenizer, seed)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdserve.bench.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets
+from pdserve.bench.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets, slo_from_args
 from pdserve.bench.cli import bench_once, is_loopback, write_results
 from pdserve.bench.metrics import SLO, json_safe, summarize
 from pdserve.bench.backends import GrpcBackend
@@ -66,7 +66,7 @@ def cmd_compare(args) -> int:
     tokenizer = Tokenizer.from_folder(model_dir)
     max_pos = ModelConfig.from_folder(model_dir).max_position_embeddings
     max_model_len = min(engine.max_model_len or max_pos, max_pos)
-    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3) if args.slo_ttft_ms and args.slo_tpot_ms else None
+    slo = slo_from_args(args)
     slo_note = "given on the command line"
     # build every run's requests first: a missing dataset fails before any cluster starts
     workloads = {rate: build_specs(args, tokenizer, max_model_len, rate) for rate in rates}
