@@ -40,6 +40,23 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+def _is_text_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text"
+
+
+# field -> (is its value neutral, the neutral value as a client writes it)
+UNSUPPORTED = {
+    "best_of": (lambda v: v == 1 and v is not True, "1"),
+    "logit_bias": (lambda v: v == {}, "{}"),
+    "presence_penalty": (lambda v: v == 0 and v is not False, "0"),
+    "frequency_penalty": (lambda v: v == 0 and v is not False, "0"),
+    "repetition_penalty": (lambda v: v == 1 and v is not True, "1"),
+    "response_format": (_is_text_format, '{"type": "text"}'),
+    "tools": (lambda v: v == [], "[]"),
+    "suffix": (lambda v: v == "", '""'),
+}
+
+
 class _Common(BaseModel):
     """Fields both endpoints take; unknown fields are ignored, as OpenAI-compatible servers do.
     Types are strict (``"5"`` is no integer, ``true`` no token id); ``null`` means the default."""
@@ -58,6 +75,16 @@ class _Common(BaseModel):
     ignore_eos: bool | None = False
     logprobs: Any = None
     echo: bool | None = False
+    # OpenAI (and vLLM) fields that change the output and that pdserve does not implement: refused
+    # when set to anything but their neutral value (UNSUPPORTED), never silently ignored
+    best_of: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    response_format: Any = None
+    tools: Any = None
+    suffix: Any = None
 
     @field_validator("n")
     @classmethod
@@ -72,6 +99,11 @@ class _Common(BaseModel):
             raise BadRequest("logprobs are not supported", "logprobs")
         if self.echo:
             raise BadRequest("echo is not supported", "echo")
+        for field, (is_neutral, neutral) in UNSUPPORTED.items():
+            value = getattr(self, field)
+            if value is not None and not is_neutral(value):
+                raise BadRequest(f"{field} is not supported by this server (it would change the output); "
+                                 f"leave it out or send {neutral}", field)
         sampling = PB.SamplingParams()
         if self.temperature is not None:
             sampling.temperature = self.temperature

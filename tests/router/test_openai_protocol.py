@@ -146,3 +146,26 @@ def test_values_are_left_to_the_validator():
         parse(CompletionRequest, [1, 2])
     with pytest.raises(BadRequest, match="text content"):
         parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).messages[0].for_template()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("best_of", 2), ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+    ("repetition_penalty", 1.2), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("suffix", "the end"), ("presence_penalty", True)])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(field, value):
+    for req in (CompletionRequest(prompt="hi", **{field: value}),
+                ChatRequest(messages=[{"role": "user", "content": "hi"}], **{field: value})):
+        make = req.to_generate_request if isinstance(req, CompletionRequest) else \
+            (lambda: req.to_generate_request([1, 2]))
+        with pytest.raises(BadRequest) as info:
+            make()
+        assert info.value.param == field and f"{field} is not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("best_of", 1), ("logit_bias", {}), ("presence_penalty", 0), ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0), ("response_format", {"type": "text"}), ("tools", []), ("suffix", ""),
+    ("tools", None)])
+def test_their_neutral_values_are_accepted(field, value):
+    req = CompletionRequest(prompt="hi", **{field: value}).to_generate_request()
+    assert req.prompt == "hi"
