@@ -29,8 +29,8 @@ from pdserve.router.chat import ChatTemplate, ChatTemplateError
 from pdserve.router.core import RequestRejected, RouterCore
 from pdserve.router.metrics import CONTENT_TYPE
 from pdserve.router.validation import InvalidRequest, check_text_fits
-from pdserve.router.openai_protocol import (BadRequest, ChatRequest, CompletionRequest, ResponseShape, error_body,
-                                            parse, timings_json)
+from pdserve.router.openai_protocol import BadRequest, ChatRequest, CompletionRequest, parse
+from pdserve.router.openai_responses import ResponseShape, error_body, timings_json
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,

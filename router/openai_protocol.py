@@ -10,8 +10,7 @@ for HTTP and gRPC alike, whose errors name the fields as this API calls them (``
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,8 +19,6 @@ from pdserve.v1 import generate_pb2
 PB = generate_pb2
 UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context window
-FINISH_REASONS = {PB.FINISH_REASON_STOP: "stop", PB.FINISH_REASON_LENGTH: "length",
-                  PB.FINISH_REASON_ABORT: "abort", PB.FINISH_REASON_ERROR: "error"}
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -251,65 +248,3 @@ def _json_error(msg: str) -> str:
         return (f"the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair){where}; "
                 f"strings must be valid Unicode (surrogates only in high-low pairs, such as \\ud83d\\ude00)")
     return f"the request body is not valid JSON: {msg}"
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error object."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-            409: "ConflictError", 413: "BadRequestError", 429: "RateLimitError",
-            503: "ServiceUnavailableError", 504: "TimeoutError"}.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def timings_json(t: PB.Timings) -> dict:
-    """The ``pdserve`` extension: the request's phases, in seconds (bytes for the KV transfer), and
-    the gRPC Timings' other fields: whether the decode worker prefilled it, its prompt tokens taken
-    from a prefix cache."""
-    return {"queue_s": t.queue_ns / 1e9, "prefill_s": t.prefill_ns / 1e9, "kv_transfer_s": t.kv_transfer_ns / 1e9,
-            "kv_transfer_bytes": t.kv_transfer_bytes, "decode_s": t.decode_ns / 1e9, "total_s": t.total_ns / 1e9,
-            "prefilled_on_decode": t.prefilled_on_decode, "cached_prompt_tokens": t.cached_prompt_tokens}
-
-
-def usage_json(u: PB.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
-
-
-class ResponseShape:
-    """Builds one request's response objects for ``kind`` "completion" or "chat"."""
-
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str) -> None:
-        self.kind, self.model, self.created = kind, model, int(time.time())
-        self.id = ("cmpl-" if kind == "completion" else "chatcmpl-") + request_id
-
-    def _envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def full(self, text: str, finish: int, usage: PB.Usage, timings: PB.Timings) -> dict:
-        reason = FINISH_REASONS.get(finish)
-        if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            body = self._envelope("text_completion", [choice])
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-            body = self._envelope("chat.completion", [choice])
-        return {**body, "usage": usage_json(usage), "pdserve": timings_json(timings)}
-
-    def delta(self, text: str, finish: int | None = None, first: bool = False) -> dict | None:
-        """One streamed chunk, or None when it would carry nothing: no text (the bytes of a character,
-        or text that may become a stop string, held back), no finish reason, and not chat's first
-        chunk, which carries the role."""
-        reason = FINISH_REASONS.get(finish) if finish else None
-        if not text and reason is None and not (first and self.kind == "chat"):
-            return None
-        if self.kind == "completion":
-            return self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
-                                                       "finish_reason": reason}])
-        delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
-                                                          "finish_reason": reason}])
-
-    def usage_chunk(self, usage: PB.Usage) -> dict:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return {**self._envelope(obj, []), "usage": usage_json(usage)}

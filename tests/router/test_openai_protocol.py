@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from pdserve.router.openai_protocol import PB, BadRequest, ChatRequest, CompletionRequest, ResponseShape, timings_json
+from pdserve.router.openai_protocol import PB, BadRequest, ChatRequest, CompletionRequest
 from pdserve.router.openai_protocol import parse as parse_json
+from pdserve.router.openai_responses import ResponseShape, timings_json
 
 
 def parse(model, body):
