@@ -73,18 +73,24 @@ def _shown(x: float) -> str:
     return repr(x)
 
 
-def sampling_errors(temperature: float, top_p: float, top_k: int, max_tokens: int) -> list[str]:
-    """Human-readable problems with sampling values ([] when valid). Shared with the router."""
+def sampling_field_errors(temperature: float, top_p: float, top_k: int, max_tokens: int) -> list[tuple[str, str]]:
+    """Problems with sampling values as ``(field, what is wrong)`` pairs, the field's name left out
+    of the text ([] when valid), so a caller can name the field as its client does (the router)."""
     errors = []
     if not (temperature >= 0.0) or temperature == float("inf"):
-        errors.append(f"temperature must be a finite number >= 0, got {_shown(temperature)}")
+        errors.append(("temperature", f"must be a finite number >= 0, got {_shown(temperature)}"))
     if not (0.0 < top_p <= 1.0):
-        errors.append(f"top_p must be in (0, 1], got {_shown(top_p)}")
+        errors.append(("top_p", f"must be in (0, 1], got {_shown(top_p)}"))
     if top_k < 0:
-        errors.append(f"top_k must be >= 0 (0 disables), got {top_k}")
+        errors.append(("top_k", f"must be >= 0 (0 disables), got {top_k}"))
     if max_tokens < 1:
-        errors.append(f"max_tokens must be >= 1, got {max_tokens}")
+        errors.append(("max_tokens", f"must be >= 1, got {max_tokens}"))
     return errors
+
+
+def sampling_errors(temperature: float, top_p: float, top_k: int, max_tokens: int) -> list[str]:
+    """Human-readable problems with sampling values ([] when valid), each starting with its field."""
+    return [f"{field} {what}" for field, what in sampling_field_errors(temperature, top_p, top_k, max_tokens)]
 
 
 def step_seed(seed: int, step: int) -> int:

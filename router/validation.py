@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.params import sampling_errors
+from pdserve.engine.params import sampling_field_errors
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.v1 import generate_pb2, worker_pb2
 
@@ -39,7 +39,6 @@ class ValidatedRequest:
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-SAMPLED_FIELDS = (*SAMPLING_KEYS, "max_tokens")  # the fields sampling_errors checks
 
 
 def sampling_defaults(model_dir: Path) -> dict[str, float]:
@@ -125,12 +124,8 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
     top_k = s.top_k if s.HasField("top_k") else int(defaults.get("top_k", 0))
     nan = [field for field, value in (("temperature", temperature), ("top_p", top_p)) if math.isnan(value)]
     errors += [(name(field), f"{name(field)} must be a number, got NaN") for field in nan]
-    for message in sampling_errors(temperature, top_p, top_k, max_tokens):
-        field = message.split(" ", 1)[0]  # each message starts with the field it is about
-        if field in nan:
-            continue
-        errors.append((name(field), name(field) + message[len(field):]) if field in SAMPLED_FIELDS
-                      else (None, message))
+    errors += [(name(field), f"{name(field)} {what}")
+               for field, what in sampling_field_errors(temperature, top_p, top_k, max_tokens) if field not in nan]
     stop = list(req.stop)
     if len(stop) > MAX_STOP_STRINGS:
         errors.append((name("stop"), f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}"))
