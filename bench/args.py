@@ -84,6 +84,14 @@ def slo_from_args(args) -> SLO | None:
 SYNTHETIC_INPUT_LEN, SYNTHETIC_OUTPUT_LEN, SYNTHETIC_RATE = 256, 64, 1.0
 
 
+def fill_workload_defaults(args) -> None:
+    """``--arrival``, ``--trace`` and ``--prompts`` left unset take their defaults (trace arrivals,
+    azure-conv, DEFAULT_PROMPTS)."""
+    args.arrival = args.arrival or "trace"
+    args.trace = args.trace or "azure-conv"
+    args.prompts = args.prompts or DEFAULT_PROMPTS
+
+
 def fall_back_without_datasets(args) -> str | None:
     """Fill in the default arrival process, trace and prompt sets, unless they would be read from a
     datasets folder that is not there (a fresh install, run from any folder, with no --datasets-dir
@@ -96,9 +104,7 @@ def fall_back_without_datasets(args) -> str | None:
     from pdserve.bench.workload import resolve_datasets_dir
 
     chose = args.trace is not None or args.arrival == "trace" or args.prompts not in (None, RANDOM_PROMPTS)
-    args.arrival = args.arrival or "trace"
-    args.trace = args.trace or "azure-conv"
-    args.prompts = args.prompts or DEFAULT_PROMPTS
+    fill_workload_defaults(args)
     if chose or args.datasets_dir is not None or resolve_datasets_dir().is_dir():
         return None
     reads_trace = args.arrival == "trace" or args.input_len is None or args.output_len is None
@@ -139,9 +145,7 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
     process the trace is not read, and with ``--prompts random`` no dataset is needed at all. A
     trace with hash ids (Mooncake) builds the prompts from blocks of ``512 * --length-scale``
     tokens (rounded), one per id, so its shared prefixes stay shared."""
-    args.arrival = args.arrival or "trace"
-    args.trace = args.trace or "azure-conv"
-    args.prompts = args.prompts or DEFAULT_PROMPTS
+    fill_workload_defaults(args)
     fixed = args.input_len is not None and args.output_len is not None
     if args.arrival == "trace" or not fixed:
         rows = sample_conversations(_load_trace(args), args.conversation_sample, args.seed)
