@@ -4,56 +4,39 @@ how many tokens of each one a step computes."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from pdserve.engine.scheduling.batch import Batch, Completed
 from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.scheduling.step_time import StepTimeModel
 
-
-@dataclass
-class Batch:
-    """Sequences of one model step. ``num_query_tokens[i]`` positions of ``seqs[i]`` are computed,
-    from its ``num_computed_tokens`` on: a chunk of its prompt (prefill) or its last token (decode).
-    ``is_prefill``: some sequence computes more than its last token."""
-
-    seqs: list[Sequence]
-    num_query_tokens: list[int]
-    is_prefill: bool
-
-    def samples(self, i: int) -> bool:
-        """True when ``seqs[i]``'s chunk reaches its last token, so this step samples its next one."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_query_tokens[i] == seq.num_tokens
-
-    @property
-    def num_decode_rows(self) -> int:
-        """Sequences that compute one token after their prompt (decode rows, not prefill chunks)."""
-        return sum(1 for s, n in zip(self.seqs, self.num_query_tokens) if s.is_decoding and n == 1)
-
-
-@dataclass
-class Completed:
-    """What a finished step did to one sequence: ``token`` is None for a prefill chunk that did not
-    reach the end of the prompt; ``prefill`` is True for the first token after a prefill."""
-
-    seq: Sequence
-    token: int | None
-    prefill: bool
+# A waiting sequence that KV blocks keep out for this many consecutive steps makes room by
+# preempting the running sequence holding the most blocks (it is recomputed once blocks free up).
+PREEMPT_AFTER_STEPS = 8
 
 
 class Scheduler:
     """Two policies over the same queues.
 
-    * Chunked prefill (vLLM v1's rule, the default): a step has a budget of
-      ``max_num_batched_tokens`` tokens. It first serves the running sequences, in admission order
-      (round robin when more run than ``max_num_seqs``): one token for each decoding sequence,
-      the next chunk for each one still prefilling; then it admits waiting prompts in FIFO order,
-      cutting the last one to fit the budget. Prefill chunks and decode tokens share one step, so
-      a long prompt stalls decoding by at most one budgeted step.
+    * Chunked prefill (the default; vLLM v1's token budget, with bounded waiting): a step has a
+      budget of ``max_num_batched_tokens`` tokens and at most ``max_num_seqs`` rows. Decoding
+      sequences take one row and one token each, in round robin when more decode than fit;
+      sequences still prefilling (FIFO) and then waiting prompts (FIFO) share the rest, the last
+      chunk cut to fit. While prefill work is queued, decoding leaves it
+      ``max(1, max_num_seqs // 2)`` rows (at most what it asks), and a prefilling sequence leaves
+      half the prompt budget to the head of the waiting queue. Admission is bounded by KV blocks,
+      not by ``max_num_seqs``: more sequences may run than fit one step, and they take turns.
     * Prefill-first (``chunked_prefill=False``; vLLM's original scheduler, nano-vllm): a step is
-      either a prefill of whole waiting prompts (at most ``max_num_batched_tokens`` tokens, but
-      always at least one prompt) or one decode step of the running batch.
+      either a prefill of whole waiting prompts (at most ``max_num_batched_tokens`` tokens and
+      ``max_num_seqs`` prompts, but always at least one) or one decode step of the running batch.
+
+    **The bound** (chunked): a prompt at the head of the waiting queue, with KV blocks free for
+    it, is admitted at the next step and gets at least half the step's prompt budget until its
+    first token, whatever else runs: its first token comes within
+    ``ceil(uncached_tokens / (budget // 2)) + 1`` steps. When KV blocks keep it out for
+    ``PREEMPT_AFTER_STEPS`` steps, the running sequence holding the most blocks is preempted to
+    make room (its KV is recomputed later, from its cached prefix); it waits second in line.
+    A decoding sequence gets a token at least every ``ceil(num_decoding / decode_rows)`` steps.
 
     With ``target_step_s`` (chunked prefill only), the budget of a step is the decoding sequences
     plus as many prompt tokens as :class:`StepTimeModel`, fitted online to the steps so far, says
@@ -61,10 +44,10 @@ class Scheduler:
     ``max_num_batched_tokens``): every step, and so every inter-token gap of a decoding sequence,
     aims at that time on whatever hardware runs it.
 
-    A step never holds more than ``max_num_seqs`` sequences. When KV blocks run short, the most
-    recently admitted running sequence is preempted: its blocks are freed and it waits, at the head
-    of the queue, to be recomputed (its prompt and the tokens it produced). With prefix caching a
-    waiting sequence starts from the longest cached prefix of its tokens.
+    When KV blocks run short for a running sequence, the most recently admitted other running
+    sequence is preempted: its blocks are freed and it waits, at the head of the queue, to be
+    recomputed (its prompt and the tokens it produced). With prefix caching a waiting sequence
+    starts from the longest cached prefix of its tokens.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -79,9 +62,11 @@ class Scheduler:
         self.step_time = StepTimeModel()  # fed by the engine after every step (observe_step) with a target
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order
-        self._next_turn = 0  # where the next step starts when not all running fit one step
+        self._next_turn = 0  # where the next decode rows start when not all decoding fit one step
+        self._blocked_steps = 0  # consecutive steps KV blocks kept the head of the waiting queue out
         self.num_prompt_tokens_admitted = 0   # tokens of admitted sequences (recomputes count again)
         self.num_cached_tokens_admitted = 0   # of those, taken from the prefix cache
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
@@ -100,16 +85,39 @@ class Scheduler:
         """Pick the next batch, or None when nothing can run."""
         seqs: list[Sequence] = []
         counts: list[int] = []
+        if self._blocked_steps >= PREEMPT_AFTER_STEPS and self.waiting:
+            self._preempt_for_waiting()
         if self.chunked_prefill:
-            budget, preempted = self._schedule_running(seqs, counts, self.step_budget())
-            if not preempted:
-                self._schedule_waiting(seqs, counts, budget)
-        elif not self._schedule_waiting(seqs, counts, self.max_num_batched_tokens):
-            self._schedule_running(seqs, counts, None)
+            self._schedule_chunked(seqs, counts)
+        elif not self._schedule_waiting(seqs, counts, self.max_num_batched_tokens, self.max_num_seqs):
+            self._schedule_decode(seqs, counts, self.max_num_seqs, None)
         if not seqs:
             return None
         is_prefill = any(not (s.is_decoding and n == 1) for s, n in zip(seqs, counts))
         return Batch(seqs, counts, is_prefill)
+
+    def _schedule_chunked(self, seqs: list[Sequence], counts: list[int]) -> None:
+        total, rows = self.step_budget(), self.max_num_seqs
+        prefilling = [s for s in self.running if not s.is_decoding]
+        reserve = min(len(prefilling) + len(self.waiting), max(1, rows // 2))
+        if self._schedule_decode(seqs, counts, rows - reserve, total):
+            return
+        for seq in prefilling:  # FIFO; the head of the waiting queue keeps half of what is left
+            budget = total - sum(counts)
+            room = rows - len(seqs) - (1 if self.waiting else 0)
+            cap = budget - (budget // 2 if self.waiting else 0)
+            if room <= 0 or cap <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted while this batch was built
+                continue
+            n = min(seq.num_uncomputed_tokens, cap)
+            if not self._grow_or_preempt(seq, n, seqs):
+                return
+            seqs.append(seq)
+            counts.append(n)
+        self._schedule_waiting(seqs, counts, total - sum(counts), rows)
+        if len(seqs) < rows:  # rows kept for prefill work that could not use them go to decoding
+            self._schedule_decode(seqs, counts, rows - len(seqs), total - sum(counts))
 
     def step_budget(self) -> int:
         """The token budget of the next chunked step: ``max_num_batched_tokens``, or with
@@ -136,45 +144,51 @@ class Scheduler:
         end = seq.num_computed_tokens + n
         return end + 1 if end == seq.num_tokens and not seq.is_decoding else end
 
-    def _schedule_running(self, seqs: list[Sequence], counts: list[int], budget: int | None) -> tuple[int, bool]:
-        """Add running sequences to the step within ``budget`` tokens (None: one token each, no
-        budget). Returns the budget left and whether a sequence was preempted."""
-        n_run = len(self.running)
-        if n_run == 0:
-            return budget or 0, False
-        start = self._next_turn % n_run if n_run > self.max_num_seqs else 0
-        turn = list(self.running)
-        turn = turn[start:] + turn[:start]
-        preempted = False
-        taken = 0
+    def _grow_or_preempt(self, seq: Sequence, n: int, seqs: list[Sequence]) -> bool:
+        """Give running ``seq`` the blocks for ``n`` more tokens, preempting the most recently
+        admitted other running sequences not in this step (or ``seq`` itself, last) until they fit.
+        False when ``seq`` was preempted."""
+        need = self._positions(seq, n)
+        while not self.blocks.can_grow(seq, need):
+            victim = next((s for s in reversed(self.running) if s is not seq and s not in seqs), seq)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, need)
+        return True
+
+    def _schedule_decode(self, seqs: list[Sequence], counts: list[int], rows: int, budget: int | None) -> bool:
+        """Add decoding sequences not yet in the step (chunked policy; every running one
+        otherwise), one token each (chunked) or all they have left, at most ``rows`` of them and
+        ``budget`` tokens (None: no budget), taking turns when not all fit. True when a sequence
+        was preempted."""
+        turn = [s for s in self.running if (s.is_decoding or not self.chunked_prefill) and s not in seqs]
+        if budget is not None:
+            rows = min(rows, budget)
+        if len(turn) > rows:
+            start = self._next_turn % len(turn)
+            turn = turn[start:] + turn[:start]
+        preemptions, taken = self.num_preemptions, 0
         for seq in turn:
-            if len(seqs) == self.max_num_seqs or budget == 0:
+            if taken >= rows:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted while this batch was built
                 continue
-            n = seq.num_uncomputed_tokens if budget is None else min(seq.num_uncomputed_tokens, budget)
-            need = self._positions(seq, n)
-            while not self.blocks.can_grow(seq, need):
-                victim = next((s for s in reversed(self.running) if s is not seq and s not in seqs), seq)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
+            n = 1 if self.chunked_prefill else seq.num_uncomputed_tokens
+            if not self._grow_or_preempt(seq, n, seqs):
                 break
-            self.blocks.grow(seq, need)
             seqs.append(seq)
             counts.append(n)
             taken += 1
-            if budget is not None:
-                budget -= n
-        self._next_turn = start + taken
-        return budget or 0, preempted
+        self._next_turn += taken
+        return self.num_preemptions != preemptions
 
-    def _schedule_waiting(self, seqs: list[Sequence], counts: list[int], budget: int) -> bool:
-        """Admit waiting sequences in FIFO order within ``budget`` tokens; True when any was."""
+    def _schedule_waiting(self, seqs: list[Sequence], counts: list[int], budget: int, rows: int) -> bool:
+        """Admit waiting sequences in FIFO order within ``budget`` tokens and ``rows`` rows of the
+        step; True when any was. A head that KV blocks keep out for ``PREEMPT_AFTER_STEPS`` steps
+        preempts the running sequence holding the most blocks (not one of this step)."""
         admitted = False
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(seqs) < rows:
             seq = self.waiting[0]
             cached = self.blocks.match_prefix(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = cached
@@ -187,10 +201,13 @@ class Scheduler:
             need = self._positions(seq, n)
             if not self.blocks.can_grow(seq, need):
                 self._unmatch(seq)
+                self._blocked_steps += not admitted
                 break
+            self._blocked_steps = 0
             self.blocks.grow(seq, need)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.resumed()
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
@@ -199,6 +216,17 @@ class Scheduler:
             self.num_prompt_tokens_admitted += seq.num_tokens
             self.num_cached_tokens_admitted += cached
         return admitted
+
+    def _preempt_for_waiting(self) -> None:
+        """KV blocks kept the head of the waiting queue out for ``PREEMPT_AFTER_STEPS`` steps:
+        preempt the running sequence holding the most blocks, which then waits second in line."""
+        self._blocked_steps = 0
+        victims = [s for s in self.running if s.block_table]
+        if victims:
+            victim = max(victims, key=lambda s: len(s.block_table))
+            self._preempt(victim)
+            self.waiting.remove(victim)
+            self.waiting.insert(1, victim)
 
     def _unmatch(self, seq: Sequence) -> None:
         """Give back the cached prefix a sequence that stays waiting was given."""
@@ -209,7 +237,9 @@ class Scheduler:
         self.running.remove(seq)
         self._unmatch(seq)
         seq.status = SequenceStatus.WAITING
+        seq.preempted()
         self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def complete(self, batch: Batch, tokens: list[int]) -> list[Completed]:
         """Record a finished step: each sequence's chunk is computed (its full blocks enter the

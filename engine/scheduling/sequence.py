@@ -47,6 +47,9 @@ class Sequence:
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     prefill_start_ns: int = 0
     prefill_end_ns: int = 0
+    num_preemptions: int = 0  # times its KV was freed to be recomputed
+    preempted_ns: int = 0     # nanoseconds spent waiting to be recomputed, all preemptions together
+    _preempted_at_ns: int = 0
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -88,6 +91,17 @@ class Sequence:
             self.finish(FinishReason.STOP)
         elif self.num_output_tokens >= self.sampling.max_tokens:
             self.finish(FinishReason.LENGTH)
+
+    def preempted(self) -> None:
+        """Its KV was freed: it waits to be recomputed (the wait is counted in ``preempted_ns``)."""
+        self.num_preemptions += 1
+        self._preempted_at_ns = time.monotonic_ns()
+
+    def resumed(self) -> None:
+        """It left the waiting queue for the running batch."""
+        if self._preempted_at_ns:
+            self.preempted_ns += time.monotonic_ns() - self._preempted_at_ns
+            self._preempted_at_ns = 0
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

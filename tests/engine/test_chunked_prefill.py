@@ -30,20 +30,51 @@ def run_step(sched: Scheduler):
     return batch
 
 
-def test_running_first_then_waiting_cut_to_the_budget() -> None:
+def test_a_prompt_behind_a_long_prefill_gets_half_the_budget() -> None:
+    """FIFO, the last prompt cut to the budget; but while a prompt waits, the sequence still
+    prefilling leaves it half the budget, so a short prompt is not held behind a long one."""
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
     sched.add(make_seq("long", 23))
     sched.add(make_seq("short", 3))
     b = run_step(sched)
     assert [s.request_id for s in b.seqs] == ["long"] and b.num_query_tokens == [10]
     assert b.is_prefill and b.sampled == [False]  # a chunk short of the prompt's end samples nothing
-    b = run_step(sched)
-    assert b.num_query_tokens == [10]
-    b = run_step(sched)  # long's last 3 tokens, then short fits the 7 left
-    assert [s.request_id for s in b.seqs] == ["long", "short"] and b.num_query_tokens == [3, 3]
+    b = run_step(sched)  # long keeps 5 of the 10; short fits the rest and samples its first token
+    assert [s.request_id for s in b.seqs] == ["long", "short"] and b.num_query_tokens == [5, 3]
+    assert b.sampled == [False, True]
+    b = run_step(sched)  # short decodes; long has the rest of the budget for its last 8 tokens
+    assert [s.request_id for s in b.seqs] == ["short", "long"] and b.num_query_tokens == [1, 8]
     assert b.sampled == [True, True]
     b = run_step(sched)  # both decode now
     assert b.num_query_tokens == [1, 1] and not b.is_prefill
+
+
+def test_a_new_prompt_beside_more_decoding_than_max_num_seqs_samples_within_the_bound() -> None:
+    """12 sequences decode on a worker that steps 8 at a time; a new 40-token prompt arrives. It is
+    admitted at once and gets its first token within ceil(40 / (budget // 2)) + 1 steps, and
+    every decoding sequence still gets a token at least every ceil(12 / 7) = 2 steps."""
+    sched = Scheduler(BlockManager(512, 4), max_num_seqs=8, max_num_batched_tokens=32)
+    longs = [make_seq(f"long{i}", 4, max_tokens=1000) for i in range(12)]
+    for s in longs:
+        sched.add(s)
+    for _ in range(6):
+        run_step(sched)
+    assert all(s.is_decoding for s in longs) and len(sched.running) == 12
+    short = make_seq("short", 40, max_tokens=4)
+    sched.add(short)
+    last = {s.request_id: s.num_output_tokens for s in longs}
+    steps = 0
+    while not short.num_output_tokens:
+        b = run_step(sched)
+        steps += 1
+        assert len(b.seqs) <= 8 and sum(b.num_query_tokens) <= 32
+    assert steps <= -(-40 // 16) + 1, steps
+    for _ in range(10):
+        before = {s.request_id: s.num_output_tokens for s in longs}
+        run_step(sched)
+        run_step(sched)
+        assert all(s.num_output_tokens > before[s.request_id] for s in longs)
+    assert all(s.num_output_tokens > last[s.request_id] for s in longs)
 
 
 def test_a_long_prompt_never_holds_decode_back() -> None:
