@@ -16,6 +16,7 @@ from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_t
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
+ADMIT_PREEMPT_AFTER_S = 1.0  # a KV kept out this long by a full cache preempts running sequences for its room
 CACHED_TOKENS_KEY = "x-pdserve-cached-tokens"  # Decode's initial metadata: prompt tokens held for the KV
 PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
                     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -42,14 +43,17 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self.host = EngineHost(engine, extra_stats=lambda: {
             "num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())})
         self._pending: dict[str, asyncio.Future] = {}
-        self._kv_transfer: dict[str, tuple[int, int]] = {}  # request id -> (ns, bytes)
+        self._kv_transfer: dict[str, tuple[int, int, int]] = {}  # request id -> (ns, bytes, admission ns)
 
     async def receive_kv(self, frame: Frame) -> None:
         """Unpack, check and admit a KV frame, one buffer or its received chunks (KvReceiver).
 
         Raises KvCodecError for a bad frame, KeyError when no Decode stream waits for its request,
         ValueError when the request can never fit, KvCacheFullError when blocks stay short past the
-        KV timeout (KvCacheFullError). The waiting Decode stream gets the same error.
+        KV timeout. A KV that a full cache (or sequences waiting here to be recomputed) keeps out
+        for ``ADMIT_PREEMPT_AFTER_S`` seconds is admitted by preempting the running sequences
+        holding the most blocks, which this worker recomputes later: a loaded decode worker slows
+        down but does not fail the request. The waiting Decode stream gets the same error.
         """
         await self.admit(await asyncio.to_thread(unpack_kv, frame, self.engine.fingerprint, self.limits))
 
@@ -60,10 +64,12 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         if fut is None or fut.done():
             raise KeyError(f"no decode stream is waiting for request {rid!r}")
         sent_ns = payload.first_token_unix_ns
-        deadline = time.monotonic() + self.kv_timeout_s
+        start = time.monotonic()
+        deadline = start + self.kv_timeout_s
         while True:
+            preempt = time.monotonic() - start > ADMIT_PREEMPT_AFTER_S
             try:
-                seq = await asyncio.wrap_future(self.host.loop.submit(lambda e: e.admit_kv(payload)))
+                seq = await asyncio.wrap_future(self.host.loop.submit(lambda e: e.admit_kv(payload, preempt)))
                 break
             except KvCacheFullError as exc:
                 if fut.done() or time.monotonic() > deadline:
@@ -79,12 +85,15 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         if fut.done():  # the stream went away while we were admitting
             await abort_quietly(self.host.loop, rid)
             return
-        self._kv_transfer[rid] = (max(0, time.time_ns() - sent_ns) if sent_ns else 0, payload.kv.nbytes)
+        self._kv_transfer[rid] = (max(0, time.time_ns() - sent_ns) if sent_ns else 0, payload.kv.nbytes,
+                                  int((time.monotonic() - start) * 1e9))
         fut.set_result(seq)
 
     def _timings(self, seq: Sequence, end_ns: int) -> generate_pb2.Timings:
-        ns, nbytes = self._kv_transfer.get(seq.request_id, (0, 0))
-        return generate_pb2.Timings(kv_transfer_ns=ns, kv_transfer_bytes=nbytes, decode_ns=end_ns - seq.arrival_ns)
+        ns, nbytes, admission_ns = self._kv_transfer.get(seq.request_id, (0, 0, 0))
+        return generate_pb2.Timings(kv_transfer_ns=ns, kv_transfer_bytes=nbytes, decode_ns=end_ns - seq.arrival_ns,
+                                    kv_admission_ns=admission_ns, num_preemptions=seq.num_preemptions,
+                                    preempted_ns=seq.preempted_ns)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id

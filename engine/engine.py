@@ -125,13 +125,16 @@ class Engine:
         if seq is not None:
             self.blocks.free(seq)
 
-    def admit_kv(self, payload: KvPayload) -> Sequence:
+    def admit_kv(self, payload: KvPayload, preempt: bool = False) -> Sequence:
         """Place a prefilled sequence (prompt KV + first token) into the running batch.
 
         ``payload.kv``: [num_layers, 2, num_prompt_tokens - kv_start, num_kv_heads, head_dim]; with
         ``kv_start`` > 0 the positions before it come from the prefix ``pin_prefix`` held.
         Raises ValueError when the request can never fit or the prefix held for it is not the
-        payload's, and KvCacheFullError when blocks are short now (the prefix stays held for a retry).
+        payload's, and KvCacheFullError when blocks are short now (the prefix stays held for a
+        retry), unless ``preempt``: then running sequences holding the most blocks are preempted
+        (recomputed here later) until it fits. Sequences waiting here to be recomputed or
+        prefilled go first: while any waits, a payload is admitted only by ``preempt``.
         """
         sampling = SamplingParams.from_dict(payload.sampling)
         self.check_request(payload.token_ids, sampling)
@@ -145,8 +148,11 @@ class Engine:
         seq = Sequence.new(rid, payload.token_ids, sampling, self.eos_token_ids)
         seq.token_ids.append(payload.first_token)
         need = self.blocks.blocks_for(seq.num_tokens) - kb
-        if need > self.blocks.num_free:
-            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks; request {rid} needs {need}")
+        if preempt:
+            self.scheduler.preempt_for(need)
+        if need > self.blocks.num_free or (self.scheduler.waiting and not preempt):
+            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks and {len(self.scheduler.waiting)} "
+                                   f"sequences waiting for some; request {rid} needs {need}")
         if k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
             del self._pinned[rid]
             seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]

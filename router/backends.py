@@ -46,6 +46,8 @@ class RequestState:
     aborted: bool = False
     owner: int | None = None
     shutting_down: bool = False  # the router is stopping: end with an error, not as an abort
+    last_token_ns: int = field(default_factory=time.monotonic_ns)  # receipt, then each token message
+    stalled: bool = False  # longer than the stall bound without a token (RouterCore.watch_stalls)
 
     def abort(self) -> None:
         self.aborted = True
@@ -196,7 +198,8 @@ class SplitBackend:
                 prefill_w.outstanding_prefill_tokens -= n
                 prefill_w.active_requests -= 1
             timings = generate_pb2.Timings(queue_ns=t_prefill - t0_ns + first.queue_ns, prefill_ns=first.prefill_ns,
-                                           cached_prompt_tokens=first.cached_prompt_tokens)
+                                           cached_prompt_tokens=first.cached_prompt_tokens,
+                                           router_queue_ns=t_prefill - t0_ns)
             if first.finish_reason:
                 yield WorkerEvent([first.first_token], first.finish_reason, timings)
                 return
@@ -204,7 +207,8 @@ class SplitBackend:
 
             def final(worker: generate_pb2.Timings) -> generate_pb2.Timings:
                 timings.kv_transfer_ns, timings.decode_ns = worker.kv_transfer_ns, worker.decode_ns
-                timings.kv_transfer_bytes = worker.kv_transfer_bytes
+                timings.kv_transfer_bytes, timings.kv_admission_ns = worker.kv_transfer_bytes, worker.kv_admission_ns
+                timings.num_preemptions, timings.preempted_ns = worker.num_preemptions, worker.preempted_ns
                 return timings
 
             events = _token_events(decode_call, final)
@@ -242,6 +246,7 @@ async def colocated_stream(pool: WorkerPool, w: WorkerHandle, request_id: str, p
         timings = generate_pb2.Timings()
         timings.CopyFrom(worker)
         timings.queue_ns += t_send - t0_ns
+        timings.router_queue_ns = t_send - t0_ns
         timings.prefilled_on_decode = on_decode
         return timings
 

@@ -24,6 +24,7 @@ from pdserve.router.validation import InvalidRequest, sampling_defaults, validat
 log = logging.getLogger(__name__)
 PB = generate_pb2
 SHUTDOWN_MESSAGE = "server shutting down"
+STALL_WARN_S = 30.0  # a stream this long without a token is logged and counted (pdserve:stream_stalls_total)
 
 
 class RequestRejected(Exception):
@@ -44,11 +45,14 @@ class RouterCore:
     clients see and send (default: the model folder's name; never a path).
     ``local_prefill_tokens``: split placement prefills on the decode worker when at most this many
     prompt tokens are not in its prefix cache (``SplitBackend``; 0: never).
+    ``stall_warn_s``: seconds a stream may go without a token (its first included) before
+    ``watch_stalls`` logs it and counts it in ``pdserve:stream_stalls_total``.
     """
 
     def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None,
                  metrics: RouterMetrics | None = None, api_keys: tuple[str, ...] = (),
-                 model_name: str | None = None, local_prefill_tokens: int = 0) -> None:
+                 model_name: str | None = None, local_prefill_tokens: int = 0,
+                 stall_warn_s: float = STALL_WARN_S) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.tokenizer = Tokenizer.from_folder(model_dir)
@@ -64,6 +68,23 @@ class RouterCore:
                         else SplitBackend(pool, self.metrics.migrations.inc, local_prefill_tokens))
         self.api_keys = api_keys  # empty: no authentication
         self.shutting_down = False
+        self.stall_warn_s = stall_warn_s
+
+    async def watch_stalls(self) -> None:
+        """Log and count each stream in flight that has gone ``stall_warn_s`` without a token (once
+        per stall), and its recovery; the gauge ``pdserve:streams_stalled`` holds how many are now.
+        Run after every stats poll (``WorkerPool.on_refresh``)."""
+        now, bound = time.monotonic_ns(), self.stall_warn_s * 1e9
+        stalled = 0
+        for rid, state in list(self.inflight.items()):
+            gap = now - state.last_token_ns
+            if gap > bound:
+                stalled += 1
+                if not state.stalled:
+                    state.stalled = True
+                    self.metrics.stalls.inc()
+                    log.warning("request %s: no token for %.1fs (stall bound %gs)", rid, gap / 1e9, self.stall_warn_s)
+        self.metrics.stalled.set(stalled)
 
     def model_info(self, admin: bool) -> PB.ModelInfo:
         """What the router serves: the model's id and limits, every worker's role and health; the
@@ -98,6 +119,9 @@ class RouterCore:
         except InvalidRequest as exc:
             self.metrics.rejected("invalid")
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from None
+        except asyncio.CancelledError:  # the client went away while its prompt was tokenized
+            self.metrics.finished(PB.FINISH_REASON_ABORT, t0, None)
+            raise
         if self.shutting_down:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         if req.request_id in self.inflight:
@@ -114,7 +138,10 @@ class RouterCore:
             async for ev in events:
                 now = time.monotonic_ns()
                 self.metrics.token_arrival(now - (last_ns or t0), first=last_ns is None)
-                last_ns = now
+                if state.stalled:
+                    state.stalled = False
+                    log.warning("request %s: a token again after %.1fs", req.request_id, (now - state.last_token_ns) / 1e9)
+                last_ns = state.last_token_ns = now
                 usage.completion_tokens += len(ev.token_ids)
                 if ev.timings is not None:  # phases known so far survive a stop string's early end
                     timings, timings_ns = ev.timings, (None if ev.finish else now)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from pdserve.v1 import generate_pb2
@@ -32,6 +32,7 @@ BYTES_BUCKETS = tuple(float(x * 10 ** e) for e in range(3, 10) for x in (1, 2.5,
 # 404), no healthy worker (UNAVAILABLE), every worker at its bound (RESOURCE_EXHAUSTED; 429), no valid API
 # key (UNAUTHENTICATED; 401, on any method or route that wants one)
 REJECT_REASONS = ("invalid", "unavailable", "overloaded", "unauthenticated")
+WAIT_STAGES = ("router", "prefill_queue", "kv_admission", "preempted")  # pdserve:request_wait_time_seconds
 FINISH_LABELS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
                  generate_pb2.FINISH_REASON_ABORT: "abort", generate_pb2.FINISH_REASON_ERROR: "error"}
 
@@ -107,10 +108,25 @@ class RouterMetrics:
         self.cached_prompt_tokens = Counter(
             "pdserve:prompt_tokens_cached", "Prompt tokens whose KV came from a worker's prefix cache.", registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of requests that completed.", registry=r)
+        self.wait = Histogram("pdserve:request_wait_time_seconds",
+                              "Time a completed request waited, by stage: router (routing, a live worker), "
+                              "prefill_queue (the worker's queue before its prefill), kv_admission (split: KV "
+                              "received to admitted, free KV blocks), preempted (to be recomputed after a "
+                              "preemption).", ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.preemptions = Counter("pdserve:request_preemptions",
+                                   "Preemptions of completed requests (their KV freed to be recomputed).",
+                                   registry=r)
+        self.stalls = Counter("pdserve:stream_stalls",
+                              "Streams that went longer than the stall bound without a token (counted once "
+                              "per stall; the router logs each).", registry=r)
+        self.stalled = Gauge("pdserve:streams_stalled",
+                             "Streams now longer than the stall bound without a token.", registry=r)
         for label in FINISH_LABELS.values():  # every series exists from the start, at 0
             self.requests.labels(label)
         for reason in REJECT_REASONS:
             self.rejections.labels(reason)
+        for stage in WAIT_STAGES:
+            self.wait.labels(stage)
         r.register(_WorkerGauges(pool))
 
     def token_arrival(self, gap_ns: int, first: bool) -> None:
@@ -133,6 +149,11 @@ class RouterMetrics:
         if timings is None or finish_reason == generate_pb2.FINISH_REASON_ABORT:
             return
         self.queue.observe(timings.queue_ns / 1e9)
+        waits = (timings.router_queue_ns, timings.queue_ns - timings.router_queue_ns, timings.kv_admission_ns,
+                 timings.preempted_ns)
+        for stage, ns in zip(WAIT_STAGES, waits):
+            self.wait.labels(stage).observe(max(ns, 0) / 1e9)
+        self.preemptions.inc(timings.num_preemptions)
         self.prefill.observe(timings.prefill_ns / 1e9)
         self.decode.observe(timings.decode_ns / 1e9)
         self.prompt_tokens.inc(prompt_tokens)

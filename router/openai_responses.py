@@ -28,10 +28,13 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 def timings_json(t: PB.Timings) -> dict:
     """The ``pdserve`` extension: the request's phases, in seconds (bytes for the KV transfer), and
     the gRPC Timings' other fields: whether the decode worker prefilled it, its prompt tokens taken
-    from a prefix cache."""
+    from a prefix cache, its preemptions; waits (``router_queue_s``, ``kv_admission_s``,
+    ``preempted_s``) are parts of the phases."""
     return {"queue_s": t.queue_ns / 1e9, "prefill_s": t.prefill_ns / 1e9, "kv_transfer_s": t.kv_transfer_ns / 1e9,
             "kv_transfer_bytes": t.kv_transfer_bytes, "decode_s": t.decode_ns / 1e9, "total_s": t.total_ns / 1e9,
-            "prefilled_on_decode": t.prefilled_on_decode, "cached_prompt_tokens": t.cached_prompt_tokens}
+            "prefilled_on_decode": t.prefilled_on_decode, "cached_prompt_tokens": t.cached_prompt_tokens,
+            "router_queue_s": t.router_queue_ns / 1e9, "kv_admission_s": t.kv_admission_ns / 1e9,
+            "num_preemptions": t.num_preemptions, "preempted_s": t.preempted_ns / 1e9}
 
 
 def usage_json(u: PB.Usage) -> dict:

@@ -170,6 +170,7 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
         tls=(Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None)
     pool.on_refresh.append(_readiness(pool, health_servicer))
     await pool.on_refresh[-1]()
+    pool.on_refresh.append(core.watch_stalls)
     running = RunningRouter(core, server, f"{host}:{bound}")
     if http_port is not None:
         try:

@@ -217,6 +217,16 @@ class Scheduler:
             self.num_cached_tokens_admitted += cached
         return admitted
 
+    def preempt_for(self, num_blocks: int) -> None:
+        """Preempt running sequences, the one holding the most blocks first, until ``num_blocks``
+        blocks are free (or nothing runs); they wait first in line, in that order, to be recomputed."""
+        victims = []
+        while self.blocks.num_free < num_blocks and self.running:
+            victim = max(self.running, key=lambda s: len(s.block_table))
+            self._preempt(victim)
+            victims.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(victims))
+
     def _preempt_for_waiting(self) -> None:
         """KV blocks kept the head of the waiting queue out for ``PREEMPT_AFTER_STEPS`` steps:
         preempt the running sequence holding the most blocks, which then waits second in line."""

@@ -92,3 +92,33 @@ def test_request_checks_and_cache_full(embedded_dir, prompts):
         engine.admit_kv(payload)
     assert engine.abort("e") is not None and engine.blocks.num_used == 0
     assert engine.abort("e") is None
+
+
+def test_a_kv_kept_out_by_a_full_cache_preempts_and_every_output_is_unchanged(embedded_dir, prompts):
+    """A decode engine whose cache is full of running sequences refuses a KV for now
+    (KvCacheFullError: retry); with
+    ``preempt`` it admits the KV by preempting the sequence holding the most blocks, which is
+    recomputed there later: every greedy output still equals an engine with room (float32)."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    donor = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256, block_size=8))
+    picked = prompts[:3]
+    for i, p in enumerate(picked):
+        donor.add_request(f"r{i}", p, params)
+    payloads = [donor.extract_kv(o.seq) for o in donor.step()]
+    expected = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
+                                   block_size=8)).generate(picked, params)
+    need = [donor.blocks.blocks_for(len(p) + 40) for p in picked]
+    decode = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", block_size=8,
+                                 num_kv_blocks=max(need[0] + need[1], need[2] + max(need[:2]))))
+    seqs = [decode.admit_kv(payloads[0]), decode.admit_kv(payloads[1])]
+    while decode.blocks.num_free >= decode.blocks.blocks_for(len(picked[2]) + 1):
+        decode.step()
+    with pytest.raises(KvCacheFullError):
+        decode.admit_kv(payloads[2])
+    seqs.append(decode.admit_kv(payloads[2], preempt=True))
+    victim = max(seqs[:2], key=lambda s: s.num_preemptions)
+    assert victim.num_preemptions == 1 and list(decode.scheduler.waiting) == [victim]
+    while decode.has_work():
+        decode.step()
+    assert [s.output_token_ids for s in seqs] == expected
+    assert decode.blocks.num_used == 0

@@ -34,6 +34,37 @@ async def test_a_short_request_behind_a_full_decode_batch_is_not_stalled(embedde
         assert await pipe.wait_idle() == 0
 
 
+@pytest.mark.parametrize("placement,local_prefill_tokens", [("split", 32), ("split", 0), ("colocated", 0)])
+async def test_a_short_request_beside_more_long_streams_than_max_num_seqs(embedded_dir, placement,
+                                                                          local_prefill_tokens):
+    """More long streams than --max-num-seqs run, then a short request: it ends within a small
+    multiple of its solo time, in split placement (prefilled on the decode worker, as a short
+    prompt or a next turn is, and with its KV pushed) and colocated. The decode worker's waiting
+    queue used to admit only while fewer than max_num_seqs ran, so a prompt it prefilled itself
+    waited for a long stream to end; and none of the long streams waits for the others."""
+    async with local_pipeline(embedded_dir, placement, max_num_seqs=4, local_prefill_tokens=local_prefill_tokens,
+                              num_kv_blocks=1024) as pipe, Client(pipe.address) as client:
+        short = make_request("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True)
+        await client.generate(short)  # warm-up
+        t = time.monotonic()
+        solo = await client.generate(short)
+        solo_s = time.monotonic() - t
+        longs = [asyncio.create_task(client.generate(make_request(f"tale {i}", max_tokens=500, temperature=0,
+                                                                   ignore_eos=True))) for i in range(7)]
+        await asyncio.sleep(1.0)
+        t = time.monotonic()
+        crowded = await client.generate(short)
+        crowded_s = time.monotonic() - t
+        assert crowded.token_ids == solo.token_ids
+        assert crowded.timings.prefilled_on_decode == (local_prefill_tokens > 0)
+        assert not any(task.done() for task in longs), "the long streams should still be running"
+        assert crowded_s < 10 * solo_s + 2.0, (crowded_s, solo_s)
+        results = await asyncio.gather(*longs)
+        assert all(len(r.token_ids) == 500 for r in results)
+        assert max(r.ttft for r in results) < 10 * solo_s + 2.0, [round(r.ttft, 2) for r in results]
+        assert await pipe.wait_idle() == 0
+
+
 @pytest.mark.parametrize("placement", ["split", "colocated"])
 async def test_a_full_cluster_refuses_with_resource_exhausted_and_a_retry_hint(embedded_dir, placement):
     """With every decode (colocated) worker at --max-requests-per-worker, a new request is refused at

@@ -48,7 +48,7 @@ def test_observations_land_in_their_series():
     assert samples[("pdserve:worker_healthy", (("role", "decode"), ("worker", "127.0.0.1:2")))] == 0
     assert not any(name.endswith("_created") for name, _ in samples)
     labels = {k for (_, ls) in samples for k, _ in ls}
-    assert labels <= {"le", "finish_reason", "reason", "role", "worker"}  # bounded: no request ids
+    assert labels <= {"le", "finish_reason", "reason", "role", "worker", "stage"}  # bounded: no request ids
 
 
 def test_rejection_reasons_are_a_bounded_set():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"J\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xc2\x01\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x16\n\x0ekv_transfer_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\x12\x1b\n\x13prefilled_on_decode\x18\x07 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\r\"\xa5\x01\n\x08\x43omplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"H\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x8c\x01\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xac\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x11\n\tplacement\x18\x05 \x01(\t\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x12\n\nmodel_path\x18\x07 \x01(\t\"<\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe0\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfoB\x86\x01\n\rio.pdserve.v1B\rGenerateProtoP\x01Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\xa2\x02\x03PDS\xaa\x02\nPdserve.V1\xca\x02\nPdserve\\V1\xea\x02\x0bPdserve::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"J\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xa3\x02\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x16\n\x0ekv_transfer_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\x12\x1b\n\x13prefilled_on_decode\x18\x07 \x01(\x08\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\r\x12\x17\n\x0frouter_queue_ns\x18\t \x01(\x04\x12\x17\n\x0fkv_admission_ns\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\r\x12\x14\n\x0cpreempted_ns\x18\x0c \x01(\x04\"\xa5\x01\n\x08\x43omplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"H\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x8c\x01\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xac\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x11\n\tplacement\x18\x05 \x01(\t\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x12\n\nmodel_path\x18\x07 \x01(\t\"<\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe0\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfoB\x86\x01\n\rio.pdserve.v1B\rGenerateProtoP\x01Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\xa2\x02\x03PDS\xaa\x02\nPdserve.V1\xca\x02\nPdserve\\V1\xea\x02\x0bPdserve::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rio.pdserve.v1B\rGenerateProtoP\001Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\242\002\003PDS\252\002\nPdserve.V1\312\002\nPdserve\\V1\352\002\013Pdserve::V1'
-  _globals['_FINISHREASON']._serialized_start=1440
-  _globals['_FINISHREASON']._serialized_end=1585
+  _globals['_FINISHREASON']._serialized_start=1537
+  _globals['_FINISHREASON']._serialized_end=1682
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=188
   _globals['_GENERATEREQUEST']._serialized_start=191
@@ -43,23 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=451
   _globals['_CHUNK']._serialized_end=525
   _globals['_TIMINGS']._serialized_start=528
-  _globals['_TIMINGS']._serialized_end=722
-  _globals['_COMPLETE']._serialized_start=725
-  _globals['_COMPLETE']._serialized_end=890
-  _globals['_ERROR']._serialized_start=892
-  _globals['_ERROR']._serialized_end=964
-  _globals['_GENERATERESPONSE']._serialized_start=967
-  _globals['_GENERATERESPONSE']._serialized_end=1107
-  _globals['_ABORTREQUEST']._serialized_start=1109
-  _globals['_ABORTREQUEST']._serialized_end=1143
-  _globals['_ABORTRESPONSE']._serialized_start=1145
-  _globals['_ABORTRESPONSE']._serialized_end=1177
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1179
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1200
-  _globals['_MODELINFO']._serialized_start=1203
-  _globals['_MODELINFO']._serialized_end=1375
-  _globals['_WORKERINFO']._serialized_start=1377
-  _globals['_WORKERINFO']._serialized_end=1437
-  _globals['_GENERATESERVICE']._serialized_start=1588
-  _globals['_GENERATESERVICE']._serialized_end=1812
+  _globals['_TIMINGS']._serialized_end=819
+  _globals['_COMPLETE']._serialized_start=822
+  _globals['_COMPLETE']._serialized_end=987
+  _globals['_ERROR']._serialized_start=989
+  _globals['_ERROR']._serialized_end=1061
+  _globals['_GENERATERESPONSE']._serialized_start=1064
+  _globals['_GENERATERESPONSE']._serialized_end=1204
+  _globals['_ABORTREQUEST']._serialized_start=1206
+  _globals['_ABORTREQUEST']._serialized_end=1240
+  _globals['_ABORTRESPONSE']._serialized_start=1242
+  _globals['_ABORTRESPONSE']._serialized_end=1274
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1276
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1297
+  _globals['_MODELINFO']._serialized_start=1300
+  _globals['_MODELINFO']._serialized_end=1472
+  _globals['_WORKERINFO']._serialized_start=1474
+  _globals['_WORKERINFO']._serialized_end=1534
+  _globals['_GENERATESERVICE']._serialized_start=1685
+  _globals['_GENERATESERVICE']._serialized_end=1909
 # @@protoc_insertion_point(module_scope)

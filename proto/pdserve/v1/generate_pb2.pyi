@@ -69,7 +69,7 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ns", "prefill_ns", "kv_transfer_ns", "decode_ns", "total_ns", "kv_transfer_bytes", "prefilled_on_decode", "cached_prompt_tokens")
+    __slots__ = ("queue_ns", "prefill_ns", "kv_transfer_ns", "decode_ns", "total_ns", "kv_transfer_bytes", "prefilled_on_decode", "cached_prompt_tokens", "router_queue_ns", "kv_admission_ns", "num_preemptions", "preempted_ns")
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_NS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,10 @@ class Timings(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_ON_DECODE_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADMISSION_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_NS_FIELD_NUMBER: _ClassVar[int]
     queue_ns: int
     prefill_ns: int
     kv_transfer_ns: int
@@ -86,7 +90,11 @@ class Timings(_message.Message):
     kv_transfer_bytes: int
     prefilled_on_decode: bool
     cached_prompt_tokens: int
-    def __init__(self, queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., kv_transfer_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., prefilled_on_decode: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    router_queue_ns: int
+    kv_admission_ns: int
+    num_preemptions: int
+    preempted_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., kv_transfer_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., prefilled_on_decode: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ..., router_queue_ns: _Optional[int] = ..., kv_admission_ns: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preempted_ns: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "usage", "text", "timings", "request_id")
