@@ -47,6 +47,8 @@ class SoakRequest:
     cancel_after_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
     outcome: str = ""  # "completed", "cancelled", "DEADLINE_EXCEEDED", an error status, or "hung"
+    ttft_s: float = float("nan")  # sent to first token
+    ended_s: float = float("nan")  # sent to its last message or error
 
 
 def build_requests(n: int, rate: float, vocab: int, max_model_len: int, seed: int, cancel_frac: float,
@@ -78,10 +80,14 @@ async def _one(client: Client, r: SoakRequest, t0: float) -> None:
     if r.action == "cancel":
         asyncio.get_running_loop().call_later(r.cancel_after_s, call.cancel)
 
+    sent = time.monotonic()
+
     async def consume() -> None:
         async for msg in call:
             kind = msg.WhichOneof("kind")
             if kind == "chunk":
+                if not r.tokens and msg.chunk.token_ids:
+                    r.ttft_s = time.monotonic() - sent
                 r.tokens += msg.chunk.token_ids
             elif kind == "complete":
                 r.outcome = "completed"
@@ -99,6 +105,8 @@ async def _one(client: Client, r: SoakRequest, t0: float) -> None:
         call.cancel()
     except grpc.aio.AioRpcError as exc:
         r.outcome = "cancelled" if exc.code() == grpc.StatusCode.CANCELLED else exc.code().name
+    finally:
+        r.ended_s = time.monotonic() - sent
 
 
 def _kill(cluster, role: str) -> tuple[str, float]:
@@ -138,18 +146,6 @@ async def _run_load(cluster, requests: list[SoakRequest], kills: list[str]) -> l
     return recoveries
 
 
-async def _used_blocks(cluster) -> dict[str, int]:
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-    used = {}
-    for address, role in cluster.workers.items():
-        async with grpc.aio.insecure_channel(address) as ch:
-            s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(
-                worker_pb2.GetStatsRequest(), metadata=(("x-pdserve-cluster-secret", cluster.secret),), timeout=10)
-            used[f"{role}@{address}"] = s.used_kv_blocks + s.num_running + s.num_waiting
-    return used
-
-
 def run_soak(model: str = "embedded", num_requests: int = 1000, rate: float = 8.0, kills=("decode", "prefill"),
              cancel_frac: float = 0.10, deadline_frac: float = 0.05, length_scale: float = 0.1,
              seed: int = 0, ray_address: str | None = None, prefill_resource: str | None = None,
@@ -158,10 +154,9 @@ def run_soak(model: str = "embedded", num_requests: int = 1000, rate: float = 8.
     that Ray cluster instead of starting a local one; ``*_resource``: pin each role (ClusterConfig)."""
     from pdserve.cluster.config import ClusterConfig
     from pdserve.cluster.launch import start_cluster
+    from pdserve.cluster.soak_checks import greedy_mismatches, scrape_migrations, settled_blocks
     from pdserve.engine.config import EngineConfig, ModelConfig
-    from pdserve.engine.engine import Engine
     from pdserve.engine.models.loader import resolve_model_dir
-    from pdserve.engine.params import SamplingParams
 
     model_dir = resolve_model_dir(model)
     mc = ModelConfig.from_folder(model_dir)
@@ -174,41 +169,16 @@ def run_soak(model: str = "embedded", num_requests: int = 1000, rate: float = 8.
                         prefill_resource=prefill_resource, decode_resource=decode_resource)
     with start_cluster(cfg) as cluster:
         recoveries = asyncio.run(_run_load(cluster, requests, list(kills)))
-        used = asyncio.run(_settled_blocks(cluster))
-        migrated = _scrape_migrations(cluster.http_address)
+        used = asyncio.run(settled_blocks(cluster))
+        migrated = scrape_migrations(cluster.http_address)
     elapsed = time.monotonic() - t
-    done = [r for r in requests if r.outcome == "completed"]
-    engine = Engine(engine_cfg)  # the same prompts, undisturbed, on one local engine
-    mismatches = 0
-    for n in sorted({r.max_tokens for r in done}):
-        same = [r for r in done if r.max_tokens == n]
-        ref = engine.generate([r.prompt for r in same], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        mismatches += sum(r.tokens != t for r, t in zip(same, ref))
+    mismatches = greedy_mismatches(engine_cfg, [r for r in requests if r.outcome == "completed"])
     return {"requests": len(requests), "elapsed_s": elapsed, "outcomes": Counter(r.outcome for r in requests),
             "by_action": {a: dict(Counter(r.outcome for r in requests if r.action == a))
                           for a in ("normal", "cancel", "deadline")},
             "actions": Counter(r.action for r in requests), "migrated": migrated, "used_blocks": used,
             "mismatches": mismatches, "recoveries": recoveries,
             "hung": sum(r.outcome in ("hung", "") for r in requests)}
-
-
-async def _settled_blocks(cluster, limit_s: float = 15.0) -> dict[str, int]:
-    deadline = time.monotonic() + limit_s
-    while True:
-        used = await _used_blocks(cluster)
-        if not any(used.values()) or time.monotonic() > deadline:
-            return used
-        await asyncio.sleep(0.2)
-
-
-def _scrape_migrations(http_address: str) -> int:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("pdserve:request_migrations_total "):
-                return int(float(line.split()[1]))
-    return 0
 
 
 def summary_lines(s: dict) -> list[str]:
@@ -242,6 +212,12 @@ def cmd_soak(args) -> int:
           and set(plain) <= {"completed"})
     if set(plain) - {"completed"}:
         print(f"plain requests that did not complete: { {k: v for k, v in plain.items() if k != 'completed'} }")
+    if args.overload_s and not args.address:
+        from pdserve.cluster.overload import overload_lines, overload_ok, run_overload
+
+        o = run_overload(args.model or "embedded", args.overload_s, length_scale=args.length_scale, seed=args.seed)
+        print("\n".join(overload_lines(o)))
+        ok = ok and overload_ok(o)
     return 0 if ok else 1
 
 
@@ -251,7 +227,7 @@ def _soak_on_two_nodes(args) -> int:
 
     flags = ["--num-requests", str(args.num_requests), "--rate", repr(args.rate), "--kills", ",".join(args.kills),
              "--cancel-frac", repr(args.cancel_frac), "--deadline-frac", repr(args.deadline_frac),
-             "--length-scale", repr(args.length_scale), "--seed", str(args.seed)]
+             "--length-scale", repr(args.length_scale), "--seed", str(args.seed), "--overload-s", "0"]
     flags += ["--model", args.model] if args.model else []
     # the run's own waits are bounded well within this
     return run_on_two_nodes(["soak", *flags], timeout_s=args.num_requests / args.rate + 1800.0)
@@ -281,6 +257,8 @@ def add_soak_parser(sub) -> None:
                    help="share of requests with a deadline too tight to make")
     p.add_argument("--length-scale", type=positive_float, default=0.1)
     p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--overload-s", type=non_negative_int, default=60,
+                   help="then twice the measured capacity for this many seconds on 2 + 2 workers (0: skip)")
     p.add_argument("--two-nodes", action="store_true",
                    help="across two real Ray nodes in two network namespaces (root): prefill on one, decode on the "
                         "other")

@@ -18,3 +18,16 @@ def test_small_soak_with_a_decode_worker_kill():
     assert s["mismatches"] == 0, report
     assert s["by_action"]["normal"] == {"completed": s["actions"]["normal"]}, report  # every plain request ended well
     assert s["recoveries"][0][1] < 30, report
+
+
+def test_overload_phase_refuses_at_once_and_completes_the_rest():
+    """Twice the measured capacity of 2 + 2 workers, each decode worker bounded to 4 requests: the
+    requests past the bound are refused at once (RESOURCE_EXHAUSTED), every other one completes
+    with the right tokens; nothing hangs and no KV block stays used."""
+    from pdserve.cluster.overload import overload_lines, overload_ok, run_overload
+
+    s = run_overload("embedded", seconds=8.0, factor=2.0, max_requests_per_worker=4, seed=2)
+    report = "\n".join(overload_lines(s))
+    assert overload_ok(s), report
+    assert s["outcomes"]["completed"] > 0 and s["outcomes"]["RESOURCE_EXHAUSTED"] > 0, report
+    assert s["refusal_max_s"] < 15.0, report  # no refused request waited for capacity (2 cores, saturated)
