@@ -128,9 +128,9 @@ inline __m512 row_sums16(const __m512 (&v)[16]) {
 
 // attend_chunk for bfloat16 with head_dim 64 or 128: scores by vdpbf16ps, 16 positions per reduction
 // tree; p . v with each group's accumulators in registers, several groups per pass over the V rows.
-template <int kHeadDim, bool kPrefetch>
+template <int kHeadDim>
 void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, const uint16_t* v,
-                         const int64_t* slots, int64_t n, const int64_t* next, int64_t next_n, int64_t row,
+                         const int64_t* slots, int64_t n, int64_t row,
                          int64_t groups, float scale) {
   constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
   alignas(64) float s[kMaxGroups][kChunk];
@@ -141,7 +141,6 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
       __m512 part[16];
       for (int j = 0; j < 16; ++j) {
         part[j] = _mm512_setzero_ps();
-        if (kPrefetch && g == 0 && j0 + j < next_n) prefetch_row(k + next[j0 + j] * row, kHeadDim * 2);
         if (j0 + j < n) {
           const uint16_t* kp = k + slots[j0 + j] * row;
           for (int c = 0; c < kBf; ++c)
@@ -173,7 +172,6 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
     }
     for (int64_t j = 0; j < n; ++j) {
       const uint16_t* vp = v + slots[j] * row;
-      if (kPrefetch && g0 == 0 && j < next_n) prefetch_row(v + next[j] * row, kHeadDim * 2);
       __m512 x[kF];
       for (int f = 0; f < kF; ++f)  // bfloat16 -> float32: the high half of each 32-bit lane
         x[f] = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -193,24 +191,23 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
 #endif
 
 // Fold KV positions slots[0..n) of one KV head (k/v point at that head in position 0's row) into st.
-// kPrefetch (decode) asks for the next_n rows of next[] as it reads slots[]; a prefill tile re-reads
-// its sequence from cache, where even the unused check in these loops costs 25% (fp32).
-template <typename T, int kHeadDim, bool kPrefetch>
+// Decode steps and prefill tiles run this one function from one call site, so a position's
+// attention is the same bits whichever computed it (batch invariance: a sequence that migrates or
+// is preempted, recomputed by a prefill, goes on exactly as it would have). Two copies of it, one
+// with prefetches in its loops for decode, vectorized their reductions differently: bfloat16
+// outputs 1 ulp apart, and greedy streams that diverged after a migration.
+template <typename T, int kHeadDim>
 void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* slots, int64_t n,
-                  const int64_t* next, int64_t next_n, int64_t row, int64_t groups, int64_t head_dim, float scale) {
+                  int64_t row, int64_t groups, int64_t head_dim, float scale) {
 #if defined(__AVX512BF16__)
   if constexpr (kUseDpbf16<T, kHeadDim>) {
-    attend_chunk_dpbf16<kHeadDim, kPrefetch>(st, k, v, slots, n, next, next_n, row, groups, scale);
+    attend_chunk_dpbf16<kHeadDim>(st, k, v, slots, n, row, groups, scale);
     return;
   }
 #endif
   float s[kMaxGroups][kChunk], x[kMaxHeadDim];
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < n; ++j) {  // scores s = q . k
     const T* kp = k + slots[j] * row;
-    if constexpr (kPrefetch) {
-      if (j < next_n) prefetch_row(k + next[j] * row, row_bytes);
-    }
     for (int64_t d = 0; d < head_dim; ++d) x[d] = load(kp, d);
     for (int64_t g = 0; g < groups; ++g) {
       float dot = 0.f;
@@ -235,9 +232,6 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
   }
   for (int64_t j = 0; j < n; ++j) {  // acc += p . v
     const T* vp = v + slots[j] * row;
-    if constexpr (kPrefetch) {
-      if (j < next_n) prefetch_row(v + next[j] * row, row_bytes);
-    }
     for (int64_t d = 0; d < head_dim; ++d) x[d] = load(vp, d);
     for (int64_t g = 0; g < groups; ++g) {
       const float p = s[g][j];
@@ -290,7 +284,7 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
         init_state(states[i * rows + r], q + (query_start_loc[b] + r0 + r) * q_stride + (h0 + i) * groups * head_dim,
                    groups, head_dim, scale);
     const int32_t* table = block_tables + b * max_blocks;
-    // Slots of this chunk and the next. A decode step prefetches the next chunk's rows as it reads
+    // Slots of this chunk and the next. A decode step prefetches the next chunk's rows before it reads
     // this one's, which keeps the loads of several blocks in flight (batch 32, 288 positions, 12
     // layers: bf16 7.7 -> 4.2 ms, fp32 14.6 -> 8.6 ms).
     int64_t slots[2][kChunk];
@@ -306,18 +300,20 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
       const int64_t n = std::min<int64_t>(kChunk, end - t0);
       const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunk, end - t0 - kChunk));
       fill(slots[cur ^ 1], t0 + kChunk, next_n);
+      if (!multi_row) {  // a decode step asks for the next chunk's K and V rows of its heads now
+        const int64_t head_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
+        for (int64_t j = 0; j < next_n; ++j) {
+          prefetch_row(k_cache + slots[cur ^ 1][j] * row + h0 * head_dim, head_bytes);
+          prefetch_row(v_cache + slots[cur ^ 1][j] * row + h0 * head_dim, head_bytes);
+        }
+      }
       for (int64_t i = 0; i < heads_per_item; ++i) {
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t a = std::max<int64_t>(0, lo[r] - t0), z = std::min<int64_t>(n, hi[r] - t0);
           if (a >= z) continue;
           const T* kh = k_cache + (h0 + i) * head_dim;
           const T* vh = v_cache + (h0 + i) * head_dim;
-          if (multi_row)
-            attend_chunk<T, kHeadDim, false>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, nullptr, 0, row,
-                                             groups, head_dim, scale);
-          else
-            attend_chunk<T, kHeadDim, true>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, slots[cur ^ 1],
-                                            next_n, row, groups, head_dim, scale);
+          attend_chunk<T, kHeadDim>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, row, groups, head_dim, scale);
         }
       }
     }
