@@ -14,6 +14,7 @@ in neither Debian's archive nor npm), so this is the stand-in for its screenshot
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import threading
@@ -27,7 +28,10 @@ Sample = dict  # (name, frozenset(labels)) -> value
 
 
 def scrape(url: str) -> Sample:
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+    """One scrape; with $PDSERVE_API_KEY set it goes as the bearer token, as Prometheus sends it."""
+    key = os.environ.get("PDSERVE_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=5) as r:
         text = r.read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
@@ -122,11 +126,11 @@ def plot(scrapes, out: str, window: float, title: str) -> None:
             for metric in ("num_requests_running", "num_requests_waiting"):
                 for labels, pts in series(scrapes, f"pdserve:{metric}").items():
                     d = dict(labels)
-                    draw(ax, pts, f"{metric.split('_')[-1]} {d['role']}@{d['worker'].rsplit(':', 1)[1]}")
+                    draw(ax, pts, f"{metric.split('_')[-1]} {d['worker']}")  # decode-0: role and index
         else:
             for labels, pts in series(scrapes, "pdserve:kv_cache_usage_perc").items():
                 d = dict(labels)
-                draw(ax, pts, f"{d['role']}@{d['worker'].rsplit(':', 1)[1]}", 100.0)
+                draw(ax, pts, d["worker"], 100.0)
         ax.set_title(panel)
         ax.set_ylabel(unit)
         ax.set_xlabel("s")

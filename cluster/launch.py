@@ -24,6 +24,7 @@ START_TIMEOUT_S = 600.0
 WORKER_MAX_RESTARTS = 10  # per worker, over the cluster's life
 RAY_START_ATTEMPTS = 3  # a local ray.init that times out is cleaned up and tried again
 RAY_CONNECT_TIMEOUT_S = 5.0  # --address: how long a TCP connection to the Ray head may take
+LOOPBACK = "127.0.0.1"  # the IP of a local Ray node: every server of its session listens there only
 
 
 @dataclass
@@ -107,12 +108,17 @@ def _start_local_ray(num_cpus: int) -> None:
     once and not again. A failed start leaves its GCS and raylet running (Ray forgets a node whose
     start failed), so the processes it spawned are killed before the next try. Raises the last
     attempt's exception; ValueError and TypeError (bad arguments) are not retried.
+    The node listens on loopback only (``_loopback_node``).
     """
     me = psutil.Process()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         before = {p.pid for p in me.children(recursive=True)}
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=True)
+            with _loopback_node():
+                ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=True)
+            if ray.is_initialized() and (ip := ray.util.get_node_ip_address()) != LOOPBACK:
+                log.warning("the local Ray node took the IP %s, not %s: its processes listen on every "
+                            "interface", ip, LOOPBACK)
             return
         except (ValueError, TypeError):
             raise
@@ -127,6 +133,32 @@ def _start_local_ray(num_cpus: int) -> None:
                 raise
             log.warning("local Ray failed to start (%s); killed %d of its processes, trying again (%d of %d)",
                         exc, len(spawned), attempt + 1, RAY_START_ATTEMPTS)
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """A local Ray node started inside this block takes the IP ``LOOPBACK``.
+
+    Ray binds its servers by the node's IP: the GCS, the raylet's node and object managers, every
+    core worker (driver and actors), the dashboard agent's gRPC and metrics-export servers and the
+    autoscaler monitor's metrics server listen on loopback when it is 127.0.0.1 and on every
+    interface otherwise; the runtime-env agent and the dashboard agent's HTTP server bind the node's
+    IP. On Linux ``ray.init`` gives a new node the machine's outward address, and turns
+    ``_node_ip_address="127.0.0.1"`` into it too, unless Ray's ``ENABLE_RAY_CLUSTER`` is off (its
+    setting on macOS and Windows, ``$RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``): then the node is
+    127.0.0.1. Ray reads the setting when it picks the IP, so it is off only for this block, in
+    this process (Ray's processes get the IP on their command lines).
+    """
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # another Ray: _start_local_ray warns
+        yield
+        return
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def start_cluster(cfg: ClusterConfig) -> Cluster:

@@ -4,8 +4,10 @@ becomes ``pdserve:time_to_first_token_seconds``).
 Request metrics are observed by the router as each request's tokens arrive and when it ends;
 per-worker gauges are read from the pool's latest GetStats poll at scrape time (every 0.1 s). Labels
 are bounded sets: ``finish_reason`` (stop, length, abort, error), ``reason`` (``REJECT_REASONS``),
-``role`` (prefill, decode, both) and ``worker`` (the worker's address). No request ids.
-Each registry belongs to one router, so several routers can live in one process.
+``role`` (prefill, decode, both) and ``worker`` (``worker_labels``: role and index, ``decode-0``). No
+request ids, and no worker addresses: the exposition names no internal host or port, and a worker's
+series keep their labels when a restarted worker replaces it. Each registry belongs to one router, so
+several routers can live in one process.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ FINISH_LABELS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_RE
                  generate_pb2.FINISH_REASON_ABORT: "abort", generate_pb2.FINISH_REASON_ERROR: "error"}
 
 
+def worker_labels(workers) -> list[str]:
+    """The ``worker`` label of each of ``workers`` (``WorkerHandle``s, in pool order): its role and its
+    position among that role's workers, ``prefill-0``, ``decode-1``, ``both-0``. ``WorkerPool.replace``
+    keeps a replacement at the position of the worker it replaces, so the label outlives the address."""
+    seen: dict[str, int] = {}
+    labels = []
+    for w in workers:
+        index = seen.get(w.role, 0)
+        seen[w.role] = index + 1
+        labels.append(f"{w.role}-{index}")
+    return labels
+
+
 class _WorkerGauges:
     """Collector of the per-worker gauges, from the pool's view at scrape time."""
 
@@ -54,8 +69,9 @@ class _WorkerGauges:
         healthy = GaugeMetricFamily("pdserve:worker_healthy",
                                     "1 when the worker answers its stats polls and takes requests, else 0.",
                                     labels=labels)
-        for w in self.pool.workers:
-            key = [w.role, w.address]
+        workers = list(self.pool.workers)
+        for w, label in zip(workers, worker_labels(workers)):
+            key = [w.role, label]
             running.add_metric(key, w.num_running)
             waiting.add_metric(key, w.num_waiting)
             usage.add_metric(key, w.used_kv_blocks / w.total_kv_blocks if w.total_kv_blocks else 0.0)

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
 ending in ``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only when
-every pool has a healthy worker, else 503) and ``GET /metrics`` (Prometheus text format).
+every pool has a healthy worker, else 503) and ``GET /metrics`` (Prometheus text format). With API
+keys (``core.api_keys``), every route but ``/health`` wants ``authorization: Bearer KEY``: 401 with
+``www-authenticate: Bearer`` otherwise, counted as an ``unauthenticated`` rejection.
 
 Errors are OpenAI error objects, whose ``param`` names the field at fault as the client sent it
 (``max_completion_tokens``, ``messages``): 400 for a bad request (malformed JSON, wrong types, ``n``
@@ -148,8 +150,8 @@ def build_app(core: RouterCore) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(core.metrics.exposition(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request):  # Prometheus sends the key as its scrape's bearer token
+        return unauthorized(request) or Response(core.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
 

@@ -229,7 +229,8 @@ class WorkerPool:
         return any(t > now for t in self._restarting.values())
 
     async def replace(self, old: str, new: str, role: str) -> None:
-        """The worker that served at ``old`` (dead) now serves at ``new``: route to it from now on."""
+        """The worker that served at ``old`` (dead) now serves at ``new``: route to it from now on. It
+        takes ``old``'s place in ``workers``, so its metrics label (``worker_labels``) stays the same."""
         self._restarting.pop(old, None)
         fresh = WorkerHandle.connect(role, new)
         self.prefix.forget(old)  # a restarted worker's cache is empty

@@ -6,6 +6,7 @@ import subprocess
 
 import psutil
 import pytest
+import ray
 
 from pdserve.cluster import launch
 
@@ -89,3 +90,18 @@ def test_an_address_with_a_listener_passes_and_bad_forms_are_refused():
     for bad in ("127.0.0.1", "127.0.0.1:port", ":6379", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="expected host:port"):
             launch.check_ray_address(bad)
+
+
+def test_a_local_node_takes_the_loopback_ip_and_ray_is_left_as_it_was(monkeypatch):
+    """Inside ``ray.init`` Ray picks the new node's IP, by which its processes bind their servers
+    (tests/integration/test_ray_cluster.py checks the sockets of a real start)."""
+    from ray._private import ray_constants, services
+
+    if ray.is_initialized():  # a node's IP is its own, whatever the setting
+        pytest.skip("Ray is already initialized in this process")
+    seen = []
+    monkeypatch.setattr(launch.ray, "init", lambda **kwargs: seen.append(services.get_node_ip_address()))
+    setting = ray_constants.ENABLE_RAY_CLUSTER
+    launch._start_local_ray(2)
+    assert seen == [launch.LOOPBACK]
+    assert ray_constants.ENABLE_RAY_CLUSTER == setting

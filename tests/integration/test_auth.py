@@ -46,13 +46,25 @@ async def test_api_keys_guard_both_apis_and_abort_is_per_key(embedded_dir, monke
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
             refused = await http.get("/v1/models")
             assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
-            assert (await http.get("/health")).status_code == 200
-            metrics = await http.get("/metrics")
+            assert (await http.get("/health")).status_code == 200  # probes need no key
+            for headers in ({}, {"authorization": "Bearer wrong"}):  # nor does anything else
+                scrape = await http.get("/metrics", headers=headers)
+                assert scrape.status_code == 401 and scrape.headers["www-authenticate"] == "Bearer"
+                assert scrape.json() == refused.json() and "pdserve:" not in scrape.text
+            metrics = await http.get("/metrics", headers={"authorization": "Bearer key-b"})  # as Prometheus scrapes
         assert metrics.status_code == 200
-        rejected = {s.labels["reason"]: s.value for f in text_string_to_metric_families(metrics.text)
-                    if f.name == "pdserve:requests_rejected" for s in f.samples}
-        assert rejected["unauthenticated"] == 4  # two gRPC calls, two HTTP 401s
+        families = list(text_string_to_metric_families(metrics.text))
+        rejected = {s.labels["reason"]: s.value for f in families if f.name == "pdserve:requests_rejected"
+                    for s in f.samples}
+        assert rejected["unauthenticated"] == 6  # two gRPC calls, four HTTP 401s
         assert rejected["invalid"] == 0
+        # workers by role and index: no internal address or port
+        healthy = {s.labels["worker"]: s.value for f in families if f.name == "pdserve:worker_healthy"
+                   for s in f.samples}
+        assert healthy == {"prefill-0": 1, "decode-0": 1}
+        ports = [w.address.rpartition(":")[2] for w in pipe.workers]
+        values = [v for f in families for s in f.samples for v in s.labels.values()]
+        assert "127.0.0.1" not in metrics.text and not [v for v in values for p in ports if p in v]
         assert await pipe.wait_idle() == 0
 
 

@@ -243,7 +243,7 @@ async def test_metrics_health_and_models(embedded_dir):
         assert samples[("pdserve:requests_rejected_total", (("reason", "invalid"),))] == 1
         for w in pipe.workers:
             role = "prefill" if w is pipe.workers[0] else "decode"
-            key = (("role", role), ("worker", w.address))
+            key = (("role", role), ("worker", f"{role}-0"))  # role and index, never the address
             assert samples[("pdserve:worker_healthy", key)] == 1
             assert ("pdserve:kv_cache_usage_perc", key) in samples
             assert ("pdserve:num_requests_running", key) in samples

@@ -91,6 +91,39 @@ def test_split_cluster_on_ray(split_cluster):
     asyncio.run(run())
 
 
+def _loopback(ip: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    return addr.is_loopback or (addr.version == 6 and addr.ipv4_mapped is not None and addr.ipv4_mapped.is_loopback)
+
+
+def test_the_local_ray_session_listens_on_loopback_only(split_cluster):
+    """Every listening TCP socket of this driver and its descendants (Ray's GCS, raylet, agents,
+    autoscaler monitor and core workers, pdserve's workers and router) is on loopback."""
+    import os
+
+    import psutil
+
+    me = psutil.Process()
+    procs = {me.pid: me, **{p.pid: p for p in me.children(recursive=True)}}
+    listening = {}  # (ip, port) -> owner
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in procs:
+            try:
+                owner = procs[c.pid].name()
+            except psutil.Error:  # gone since
+                continue
+            listening[c.laddr.ip, c.laddr.port] = f"{owner} ({c.pid})"
+    outside = {f"{ip}:{port}": owner for (ip, port), owner in listening.items() if not _loopback(ip)}
+    assert not outside, f"listening outside loopback: {outside}"
+    owners = " ".join(listening.values())
+    assert "gcs_server" in owners and "raylet" in owners and f"({os.getpid()})" in owners, listening
+    ports = {port for _, port in listening}
+    for address in [split_cluster.address, *split_cluster.workers]:  # pdserve's servers are among them
+        assert int(address.rpartition(":")[2]) in ports, (address, listening)
+
+
 def test_killed_workers_come_back_without_a_router_restart(split_cluster):
     """SIGKILL the prefill actor's process, then the decode one's: Ray restarts each, the supervisor
     starts its server again and the router routes to the new address. A stream in flight on the

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import generate_pb2
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import WorkerHandle
+from pdserve.router.metrics import RouterMetrics, worker_labels
+from pdserve.router.pool import WorkerHandle, WorkerPool
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 
@@ -44,11 +44,35 @@ def test_observations_land_in_their_series():
     assert samples[("pdserve:e2e_request_latency_seconds_count", ())] == 2
     assert samples[("pdserve:requests_total", (("finish_reason", "abort"),))] == 1
     assert samples[("pdserve:requests_total", (("finish_reason", "stop"),))] == 0
-    assert samples[("pdserve:kv_cache_usage_perc", (("role", "prefill"), ("worker", "127.0.0.1:1")))] == 0.4
-    assert samples[("pdserve:worker_healthy", (("role", "decode"), ("worker", "127.0.0.1:2")))] == 0
+    assert samples[("pdserve:kv_cache_usage_perc", (("role", "prefill"), ("worker", "prefill-0")))] == 0.4
+    assert samples[("pdserve:worker_healthy", (("role", "decode"), ("worker", "decode-0")))] == 0
     assert not any(name.endswith("_created") for name, _ in samples)
     labels = {k for (_, ls) in samples for k, _ in ls}
     assert labels <= {"le", "finish_reason", "reason", "role", "worker", "stage"}  # bounded: no request ids
+
+
+def test_workers_are_labelled_by_role_and_index_never_by_address():
+    ws = [WorkerHandle(role, f"10.0.0.{i}:5000{i}", channel=None)
+          for i, role in enumerate(("prefill", "decode", "prefill", "decode", "decode"))]
+    assert worker_labels(ws) == ["prefill-0", "decode-0", "prefill-1", "decode-1", "decode-2"]
+    assert worker_labels([WorkerHandle("both", "10.0.0.9:1", channel=None)] * 2) == ["both-0", "both-1"]
+
+
+async def test_a_replacement_worker_keeps_the_label_of_the_one_it_replaces():
+    pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:2", "127.0.0.1:3"], [])  # nothing listens: polls fail
+    try:
+        m = RouterMetrics(pool)
+
+        def healthy() -> dict:
+            return {s.labels["worker"]: s.labels["role"] for s in _families(m)["pdserve:worker_healthy"].samples}
+
+        assert healthy() == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+        await pool.replace("127.0.0.1:2", "127.0.0.1:4", "decode")
+        assert [w.address for w in pool.workers] == ["127.0.0.1:1", "127.0.0.1:4", "127.0.0.1:3"]
+        assert healthy() == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+        assert "127.0.0.1" not in m.exposition().decode()
+    finally:
+        await pool.close()
 
 
 def test_rejection_reasons_are_a_bounded_set():
