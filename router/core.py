@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -24,7 +25,16 @@ from pdserve.router.validation import InvalidRequest, sampling_defaults, validat
 log = logging.getLogger(__name__)
 PB = generate_pb2
 SHUTDOWN_MESSAGE = "server shutting down"
+# host:port of an internal address in a worker's error text (gRPC names the peer it failed to
+# reach): clients see "a worker" instead, the log keeps the address
+_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]|localhost)(?::\d+)?")
 STALL_WARN_S = 30.0  # a stream this long without a token is logged and counted (pdserve:stream_stalls_total)
+
+
+def redact_addresses(text: str) -> str:
+    """``text`` with every IP address or host:port in it replaced by "a worker" (internal
+    addresses are for the log and the admin view, not for clients)."""
+    return _ADDRESS.sub("a worker", text)
 
 
 class RequestRejected(Exception):
@@ -168,8 +178,8 @@ class RouterCore:
                 if isinstance(exc, asyncio.CancelledError):
                     self.metrics.finished(PB.FINISH_REASON_ABORT, t0, None)
                     raise
-                message = f"worker failed: {exc.details()}"
-                log.warning("request %s: %s %s", req.request_id, exc.code().name, message)
+                log.warning("request %s: %s worker failed: %s", req.request_id, exc.code().name, exc.details())
+                message = f"worker failed: {redact_addresses(exc.details() or '')}"
                 self.metrics.finished(PB.FINISH_REASON_ERROR, t0, None)
                 if last_ns is None:
                     raise RequestRejected(exc.code(), message) from None

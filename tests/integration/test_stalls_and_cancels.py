@@ -7,6 +7,8 @@ import logging
 import threading
 import time
 
+import grpc
+
 import pdserve.router.core as router_core
 from pdserve.router.validation import validate
 
@@ -105,3 +107,21 @@ async def test_every_client_cancel_is_counted_as_an_abort(embedded_dir, monkeypa
         assert await pipe.wait_idle() == 0
         ok = await client.generate(make_request("hi", max_tokens=2))
         assert len(ok.token_ids) == 2
+
+
+async def test_a_failed_worker_call_names_no_internal_address(embedded_dir, caplog):
+    """With the decode worker gone, gRPC's error text names the address it failed to reach; the
+    client's error says "a worker" instead, and only the router's log keeps the address."""
+    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+        decode = pipe.workers[1]
+        port = decode.address.rsplit(":", 1)[1]
+        await decode.stop()
+        caplog.set_level(logging.WARNING, logger="pdserve.router.core")
+        pipe.router.core.pool.workers[1].healthy = True  # as if its death were not noticed yet
+        try:
+            res = await client.generate(make_request("hello", max_tokens=4), timeout=30)
+            message = res.error
+        except grpc.aio.AioRpcError as exc:
+            message = exc.details()
+        assert message and "127.0.0.1" not in message and port not in message, message
+        assert port in caplog.text
