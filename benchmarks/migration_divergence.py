@@ -21,7 +21,6 @@ import platform
 import statistics
 from pathlib import Path
 
-import torch
 
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park", "How can I improve my time management skills?",
            "Write a short poem about the sea.", "Explain what a KV cache is.", "The little dog ran to the park",
@@ -36,34 +35,8 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _logits_of_last_step(engine, prompt: list[int], produced: list[int]) -> torch.Tensor:
-    """Logits the engine computes for the position after ``prompt + produced``: with ``produced``
-    given to the sampler one decode step at a time (the undisturbed way) when the prompt is
-    ``prompt``, or by one prefill when ``produced`` is empty (the migrated way). float32 copy."""
-    import pdserve.engine.model_runner as runner_module
-    from pdserve.engine.params import SamplingParams
-
-    captured, forced = {}, iter(produced)
-    compute, sample = engine.runner.model.compute_logits, runner_module.sample
-
-    def spy(hidden):
-        captured["logits"] = logits = compute(hidden)
-        return logits
-
-    def forcing(logits, *a, **k):
-        out = sample(logits, *a, **k)
-        nxt = next(forced, None)
-        return out if nxt is None else [nxt] * len(out)
-
-    engine.runner.model.compute_logits, runner_module.sample = spy, forcing
-    try:
-        engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=len(produced) + 1, ignore_eos=True))
-    finally:
-        engine.runner.model.compute_logits, runner_module.sample = compute, sample
-    return captured["logits"][-1].float()
-
-
 def measure(model: str, dtype: str, max_tokens: int, points: list[int]) -> dict:
+    from pdserve.engine.batch_invariance import logits_after
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.params import SamplingParams
@@ -84,11 +57,11 @@ def measure(model: str, dtype: str, max_tokens: int, points: list[int]) -> dict:
                 diverged += 1
                 until.append(first)
     # the first token after k: decode step (undisturbed) vs a prefill of prompt + k tokens
-    gaps = []
+    gaps: list[float] = []
     for p, out in zip(prompts, undisturbed):
         k = points[0]
-        decoded = _logits_of_last_step(engine, p, out[:k])
-        gaps.append((decoded - _logits_of_last_step(engine, p + out[:k], [])).abs().max().item())
+        decoded = logits_after(engine, p, out[:k])
+        gaps.append((decoded - logits_after(engine, p + out[:k], [])).abs().max().item())
     return {"dtype": engine.runner.dtype_name, "pairs": pairs, "diverged": diverged,
             "median_until": statistics.median(until) if until else None, "max_logit_gap": max(gaps)}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.engine.model_runner as runner_module
+from pdserve.engine.batch_invariance import logits_after
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.models.kernels import KernelUnavailable, load_cpu_kernels
@@ -18,28 +18,6 @@ STORY = "The little dog ran to the park and played with a red ball until the sun
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def last_logits(engine: Engine, prompt: list[int], produced: list[int]) -> torch.Tensor:
-    """Logits for the position after prompt + produced: ``produced`` fed one decode step at a time."""
-    captured, forced = {}, iter(produced)
-    compute, sample = engine.runner.model.compute_logits, runner_module.sample
-
-    def spy(hidden):
-        captured["logits"] = out = compute(hidden)
-        return out
-
-    def forcing(logits, *a, **k):
-        out = sample(logits, *a, **k)
-        nxt = next(forced, None)
-        return out if nxt is None else [nxt] * len(out)
-
-    engine.runner.model.compute_logits, runner_module.sample = spy, forcing
-    try:
-        engine.generate([prompt], greedy(len(produced) + 1))
-    finally:
-        engine.runner.model.compute_logits, runner_module.sample = compute, sample
-    return captured["logits"][-1]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -53,7 +31,7 @@ def test_prefill_and_decode_compute_a_position_the_same_bits(embedded_dir, dtype
     prompt = engine.tokenizer.encode(STORY)
     out = engine.generate([prompt], greedy(40))[0]
     for k in (7, 20, 33):  # migration points inside and across KV blocks
-        by_decode = last_logits(engine, prompt, out[:k])
-        by_prefill = last_logits(engine, prompt + out[:k], [])
+        by_decode = logits_after(engine, prompt, out[:k])
+        by_prefill = logits_after(engine, prompt + out[:k], [])
         assert torch.equal(by_decode, by_prefill), (k, (by_decode.float() - by_prefill.float()).abs().max())
         assert engine.generate([prompt + out[:k]], greedy(40 - k))[0] == out[k:]
