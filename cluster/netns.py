@@ -12,6 +12,11 @@ cache crosses the link. Both nodes run with ``RAY_AUTH_MODE=token`` and read one
 Teardown goes by process id, never by name: every process inside the two namespaces (``ip netns
 pids``) gets SIGTERM, then SIGKILL, then the namespaces are deleted, which deletes the veth pair.
 (``ray stop`` is not used: it stops every Ray process on the machine.) Every wait is bounded.
+
+Ray's node health check is widened (``RAY_HEALTH_CHECK_FAILURES`` missed checks, 3 s apart) so
+that Ray keeps the worker node through a link cut of up to about a minute
+(``pdserve.cluster.link_faults``): such faults test pdserve's own timeouts, not Ray's handling of
+a lost node.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ PREFILL_RESOURCE, DECODE_RESOURCE = "pdserve_prefill", "pdserve_decode"
 IP_TIMEOUT_S = 10.0  # one `ip` command
 RAY_START_TIMEOUT_S = 90.0  # one `ray start`
 KILL_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+RAY_HEALTH_CHECK_FAILURES = 20  # Ray's default is 5 (a cut of ~15 s would make Ray drop the worker node)
 
 
 class NetnsUnavailable(RuntimeError):
@@ -102,6 +108,18 @@ class TwoNodes:
             if cmdline.startswith(prefix):
                 found.append(pid)
         return found
+
+    def describe(self) -> dict:
+        """What another process needs to drive these namespaces (``TwoNodes.attach``)."""
+        return {"head_ns": self.head_ns, "worker_ns": self.worker_ns, "head_ip": self.head_ip,
+                "worker_ip": self.worker_ip, "veth": list(self.veth), "workdir": str(self.workdir)}
+
+    @classmethod
+    def attach(cls, description: dict) -> "TwoNodes":
+        """The namespaces ``describe`` describes, made by another process, which also tears them down
+        (this object's ``close`` kills nothing and deletes nothing but ``workdir``: do not call it)."""
+        d = dict(description)
+        return cls(d["head_ns"], d["worker_ns"], d["head_ip"], d["worker_ip"], tuple(d["veth"]), Path(d["workdir"]))
 
     def close(self) -> None:
         """Kill every process in both namespaces, delete them (and the veth pair), remove ``workdir``.
@@ -173,13 +191,15 @@ def make_namespaces() -> TwoNodes:
     return nodes
 
 
-def _ray_start(nodes: TwoNodes, ns: str, args: list[str], log_name: str) -> None:
-    """``ray start ARGS`` inside ``ns``; RuntimeError with its log's tail when it fails."""
+def _ray_start(nodes: TwoNodes, ns: str, args: list[str], log_name: str, env: dict[str, str] | None = None) -> None:
+    """``ray start ARGS`` inside ``ns`` (with ``env``, default ``nodes.env()``); RuntimeError with its
+    log's tail when it fails."""
     log_path = nodes.workdir / log_name
     with open(log_path, "w") as log:
         try:
             res = nodes.run(ns, [sys.executable, "-m", "ray.scripts.scripts", "start", *args],
-                            timeout_s=RAY_START_TIMEOUT_S, stdout=log, stderr=subprocess.STDOUT)
+                            timeout_s=RAY_START_TIMEOUT_S, stdout=log, stderr=subprocess.STDOUT,
+                            env=env or nodes.env())
             ok = res.returncode == 0
         except subprocess.TimeoutExpired:
             ok = False
@@ -196,9 +216,12 @@ def start_ray_nodes(nodes: TwoNodes, cpus_per_node: int = 1, object_store_bytes:
     nodes.token_path.chmod(0o600)
     common = ["--num-cpus", str(cpus_per_node), "--num-gpus", "0", "--disable-usage-stats",
               "--object-store-memory", str(object_store_bytes)]
+    # the GCS (on the head) drops a node after this many missed health checks: room for a link cut
+    head_env = nodes.env(RAY_health_check_failure_threshold=str(RAY_HEALTH_CHECK_FAILURES))
     _ray_start(nodes, nodes.head_ns, ["--head", "--node-ip-address", nodes.head_ip, "--port", str(RAY_PORT),
                                       "--include-dashboard", "false", "--temp-dir", str(nodes.workdir / "ray-head"),
-                                      "--resources", json.dumps({PREFILL_RESOURCE: 1}), *common], "ray-head.log")
+                                      "--resources", json.dumps({PREFILL_RESOURCE: 1}), *common], "ray-head.log",
+               env=head_env)
     _ray_start(nodes, nodes.worker_ns, ["--address", nodes.head_address, "--node-ip-address", nodes.worker_ip,
                                         "--temp-dir", str(nodes.workdir / "ray-worker"),
                                         "--resources", json.dumps({DECODE_RESOURCE: 1}), *common], "ray-worker.log")
@@ -230,3 +253,4 @@ def run_on_two_nodes(pdserve_args: list[str], timeout_s: float) -> int:
         except subprocess.TimeoutExpired:
             print(f"error: still running after {timeout_s:.0f}s; stopped", file=sys.stderr)
             return 124
+

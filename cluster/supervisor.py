@@ -81,6 +81,10 @@ class Supervisor:
                 self.router.worker_restarting.remote(w.address)  # its requests wait for it, not fail
             return
         if address is not None:
+            if w.down_since is not None:  # it was only out of reach (a cut link, a stalled node): not restarted
+                log.warning("%s worker %s answers again after %.1fs; it was not restarted", w.role, w.address,
+                            time.monotonic() - w.down_since)
+                w.down_since = None  # so its next fall is reported again, and timed from then
             return
         # restarted by Ray: a fresh process without a server
         down_since = w.down_since or time.monotonic()

@@ -86,4 +86,6 @@ def _lost(lease: asyncio.Future, pusher, pool) -> grpc.aio.AioRpcError | None:
     else:
         return None
     log.warning("prefill worker %s lost before its KV reached decode: %s", pusher.address, why)
-    return LeaseLost(grpc.StatusCode.UNAVAILABLE, "the prefill worker died before its KV reached decode")
+    # a dead worker and a cut link look alike from here: say what was seen
+    return LeaseLost(grpc.StatusCode.UNAVAILABLE, f"the prefill worker died before its KV reached decode "
+                                                  f"(or the router lost it: {why})")

@@ -14,9 +14,23 @@ from pdserve.engine.host import reflection_v1
 
 # Large enough for KV chunks and long prompts; KV chunks stay <= 1 MiB by default anyway.
 MAX_MESSAGE_BYTES = 64 << 20
+# Keepalive, on every server and channel: an open call notices a dead connection within
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (30 s) and fails UNAVAILABLE. Without it, during a link
+# cut longer than 20 s a server silently drops a connection whose sent data stays unacknowledged
+# that long (gRPC's TCP_USER_TIMEOUT), and the caller, with nothing to send, waits on it until its
+# deadline, or for ever (tests/integration/test_two_nodes.py). gRPC also makes KEEPALIVE_TIMEOUT_MS
+# the caller's TCP_USER_TIMEOUT. Pings go on while a call waits without data (a decode stream
+# waiting for its KV), and servers accept them every 5 s.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 20_000
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # no limit
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # a server's floor for its clients' pings
+    ("grpc.max_reconnect_backoff_ms", 5_000),  # reconnect within 5 s of a link coming back
 ]
 
 

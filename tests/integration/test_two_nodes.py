@@ -5,7 +5,12 @@ with prefill pinned to the head and decode to the worker node, so every KV cache
 Greedy output equals the transformers reference; a cross-node internal call (worker stats) without
 the cluster secret is UNAUTHENTICATED and with it answers (the KV pushes carry it too, or no output
 would come back); after the remote decode worker's process is SIGKILLed, new requests succeed again
-within 30 s. Skips where network namespaces cannot be made (not root, no iproute2, a refusing kernel).
+within 30 s. Link faults between the nodes (``pdserve.cluster.link_chaos``: a slow link, loss,
+delay where netem exists, cuts of 5, 15 and 35 s while KV is in flight): every request ends with
+its tokens or a clear error within its bound, none hangs, no KV block leaks (``pytest -s`` prints
+the table). A call on a connection its server dropped during a cut ends within the keepalive bound
+instead of waiting for its deadline. Skips where network namespaces cannot be made (not root, no
+iproute2, a refusing kernel).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,12 +33,14 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)
 
 CLIENT = Path(__file__).with_name("_two_nodes_client.py")
-SERVING = re.compile(r"serving on (\S+) \(gRPC\).*\(workers: (.*)\); Ctrl-C")
+PROBE = Path(__file__).with_name("_link_probe.py")
 RECOVERED = re.compile(r"decode worker recovered: (\S+) replaces (\S+),")
 SERVE_START_S = 180.0  # two Ray nodes and two workers on 2 cores
 CLIENT_TIMEOUT_S = 90.0
 RECOVERY_S = 30.0
 MAX_TOKENS = 16
+PROBE_PORT, PROBE_CUT_S = 50_051, 25.0
+PROBE_BOUND_S = 35.0  # keepalive: a ping every 10 s, answered within 20 s (engine/host/serving.py), and slack
 PROMPTS = mixed_prompts()[:7]  # a few tokens up to a few hundred, English and Chinese
 
 
@@ -53,50 +59,13 @@ def nodes():
         made.close()
 
 
-class Serve:
-    """``pdserve serve`` in the head's namespace, its output collected line by line."""
+def _serve(nodes, model: str, secret: str):
+    """``pdserve serve`` (float32) in the head's namespace."""
+    from pdserve.cluster.link_chaos import ServeOnTwoNodes
 
-    def __init__(self, nodes, model: str, secret: str) -> None:
-        from pdserve.cluster.netns import DECODE_RESOURCE, PREFILL_RESOURCE
-
-        env = nodes.env(PDSERVE_CLUSTER_SECRET=secret)
-        env.pop("PDSERVE_API_KEY", None)
-        self.lines: list[str] = []
-        self.proc = nodes.popen(nodes.head_ns, [
-            sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", model, "--dtype", "float32",
-            "--address", nodes.head_address, "--port", "0", "--http-port", "0",
-            "--prefill-resource", PREFILL_RESOURCE, "--decode-resource", DECODE_RESOURCE],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def log_tail(self) -> str:
-        return "".join(self.lines[-40:])
-
-    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
-        """The first output line matching ``pattern``; fails past ``timeout_s`` or when serve exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := pattern.search(line):
-                    return m
-            if self.proc.poll() is not None:
-                pytest.fail(f"pdserve serve exited ({self.proc.returncode}):\n{self.log_tail()}")
-            time.sleep(0.2)
-        pytest.fail(f"no {pattern.pattern!r} from pdserve serve after {timeout_s:.0f}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """Ctrl-C-like stop (SIGTERM), SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+    env = nodes.env(PDSERVE_CLUSTER_SECRET=secret)
+    env.pop("PDSERVE_API_KEY", None)
+    return ServeOnTwoNodes(nodes, ["--model", model, "--dtype", "float32", "--port", "0", "--http-port", "0"], env)
 
 
 def _client(nodes, ns: str, router: str, secret: str, stats: list[str], call_timeout_s: float,
@@ -115,14 +84,12 @@ def test_prefill_and_decode_on_two_ray_nodes(nodes, embedded_dir):
     from pdserve.engine.text.tokenizer import Tokenizer
 
     secret = secrets.token_hex(32)
-    serve = Serve(nodes, str(embedded_dir), secret)
+    serve = _serve(nodes, str(embedded_dir), secret)
     try:
-        m = serve.wait_for(SERVING, SERVE_START_S)
-        router = m[1]
-        workers = {role: address for role, address in (w.split("@") for w in m[2].split(", "))}
+        router, _, workers = serve.wait_serving(SERVE_START_S)
         # prefill on the head, decode on the worker node: the KV crosses the veth pair
-        assert workers["prefill"].startswith(f"{nodes.head_ip}:"), m[0]
-        assert workers["decode"].startswith(f"{nodes.worker_ip}:"), m[0]
+        assert workers["prefill"].startswith(f"{nodes.head_ip}:"), workers
+        assert workers["decode"].startswith(f"{nodes.worker_ip}:"), workers
         tok = Tokenizer.from_folder(embedded_dir)
         expected = [hf_greedy(embedded_dir, tok.encode(p), MAX_TOKENS) for p in PROMPTS]
 
@@ -162,8 +129,84 @@ def test_role_resources_pin_split_roles_only():
         ClusterConfig(engine=engine, placement="colocated", decode_resource="pdserve_decode")
 
 
+def test_link_shapes_and_the_loss_filter():
+    from pdserve.cluster.link_faults import LinkShape, loss_bytecode
+
+    assert loss_bytecode(0) == "4,32 0 0 4294963256,53 1 0 0,6 0 0 4294967295,6 0 0 0"  # never matches
+    assert loss_bytecode(100).split(",")[2] == "53 1 0 4294967295"  # matches all but one value in 2**32
+    assert loss_bytecode(5).split(",")[2] == f"53 1 0 {int(0.05 * 2**32)}"
+    assert str(LinkShape(rate_mbit=16, loss_pct=5)) == "16 Mbit/s, loss 5%" and str(LinkShape()) == "clean"
+    for bad in ({"rate_mbit": 0}, {"loss_pct": 101}, {"delay_ms": -1}):
+        with pytest.raises(ValueError):
+            LinkShape(**bad)
+
+
+def test_link_chaos_checks_flag_hangs_late_ends_errors_and_leaks():
+    from pdserve.cluster.link_chaos import problems, table_lines
+
+    ok = {"fault": "cut-35s (...)", "name": "cut-35s", "requests": 2, "bound_s": 95.0, "how": "htb+bpf",
+          "completed": 1, "hung": 0, "errors": {"UNAVAILABLE": 1}, "migrated": 1, "max_end_s": 40.0,
+          "leaked": {"prefill@a": 0, "decode@b": 0}, "messages": ["UNAVAILABLE: the KV cache did not reach ..."],
+          "short": 0, "mismatches": 0, "router_node": "head (prefill)", "cut_at_s": 0.4, "in_flight_at_cut": 1}
+    assert problems([ok]) == []
+    assert "| 1 (UNAVAILABLE 1) |" in table_lines([ok])[2]
+    bad = [dict(ok, hung=1), dict(ok, max_end_s=96.0), dict(ok, name="cut-5s"), dict(ok, messages=["UNKNOWN: "]),
+           dict(ok, mismatches=1), dict(ok, leaked={"prefill@a": 0, "decode@b": 3}), dict(ok, leaked={"decode@b": -1})]
+    assert [len(problems([row])) for row in bad] == [1] * len(bad)
+    assert problems([{"fault": "delay", "name": "delay", "skipped": "no netem"}]) == []
+
+
 def test_two_node_soak_makes_its_own_cluster(capsys):
     from pdserve.cluster.cli import main
 
     assert main(["soak", "--two-nodes", "--address", "10.0.0.1:6379"]) == 2
     assert "--two-nodes makes its own Ray cluster" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(900)
+def test_link_faults_between_prefill_and_decode(nodes):
+    """One serve, every case of pdserve.cluster.link_chaos in turn; prints the table."""
+    from pdserve.cluster.link_chaos import CASES, problems, run_link_chaos, table_lines
+
+    rows, log = run_link_chaos(nodes, list(CASES.values()))
+    print("\n" + "\n".join(table_lines(rows)))
+    assert [r["name"] for r in rows] == list(CASES)
+    ran = {r["name"]: r for r in rows if "skipped" not in r}
+    assert {"none", "slow", "loss", "cut-5s", "cut-15s", "cut-35s"} <= set(ran), rows  # tc htb + bpf at least
+    for name in ("cut-5s", "cut-15s", "cut-35s"):  # each cut came while a KV push was under way
+        assert ran[name]["in_flight_at_cut"] >= 1, ran[name]
+    assert ran["slow"]["max_end_s"] > 3 * ran["none"]["max_end_s"], rows  # the shaping took hold
+    assert problems(rows) == [], f"{problems(rows)}\n{log[-4000:]}"
+
+
+def test_a_call_on_a_connection_dropped_during_a_cut_ends(nodes):
+    """A stream from the worker node's namespace to the head's: the link is cut for 25 s. The
+    server's side of the connection gives up after 20 s of unacknowledged data (gRPC sets
+    TCP_USER_TIMEOUT); the caller, which sends nothing, only learns it through keepalive pings,
+    so the call must end UNAVAILABLE within keepalive's 30 s of the cut, not at its 90 s deadline."""
+    from pdserve.cluster.link_faults import set_link
+
+    address = f"{nodes.worker_ip}:{PROBE_PORT}"
+    server = nodes.popen(nodes.worker_ns, [sys.executable, str(PROBE), "serve", address],
+                         stdout=subprocess.PIPE, text=True)
+    client = None
+    try:
+        assert server.stdout.readline().strip() == "serving"
+        client = nodes.popen(nodes.head_ns, [sys.executable, str(PROBE), "call", address, "--timeout", "90"],
+                             stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "first"
+        set_link(nodes, False)
+        cut_at = time.monotonic()
+        try:
+            time.sleep(PROBE_CUT_S)
+        finally:
+            set_link(nodes, True)
+        out, _ = client.communicate(timeout=120)
+        ended = time.monotonic() - cut_at
+        res = json.loads(out.strip().splitlines()[-1])
+        assert res["code"] == "UNAVAILABLE" and ended < PROBE_BOUND_S, (res, ended)
+    finally:
+        for proc in (client, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
