@@ -102,7 +102,11 @@ def build_app(core: RouterCore) -> FastAPI:
         gen_req.request_id = uuid.uuid4().hex
         stream = core.generate(gen_req, None, core.owner_of(request.headers.items()), req.field_names())
         try:
-            first = await anext(stream)
+            first = await _unless_gone(request, anext(stream))
+        except ClientGone:
+            log.info("client went away before its first token; request %s cancelled", gen_req.request_id)
+            await stream.aclose()
+            return Response(status_code=499)
         except RequestRejected as exc:
             await stream.aclose()
             response = _error(exc.message, HTTP_STATUS.get(exc.code, 500), exc.param)
@@ -186,6 +190,27 @@ async def _stream(stream: AsyncIterator, first, shape: ResponseShape, include_us
         await stream.aclose()
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request waited."""
+
+
+async def _unless_gone(request: Request, awaitable):
+    """``awaitable``'s result, polling every DISCONNECT_POLL_S for the client's disconnect; then
+    it is cancelled (a request still queued or prefilling is cancelled on every worker) and
+    ClientGone is raised."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise ClientGone()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 async def _collect(request: Request, stream: AsyncIterator, first, shape: ResponseShape):
     """One JSON body; a client that disconnects before the end cancels the request."""
 
@@ -204,17 +229,10 @@ async def _collect(request: Request, stream: AsyncIterator, first, shape: Respon
                 return _error(f"{e.code}: {e.message}", 503 if e.code == "UNAVAILABLE" else 500)
             message = await anext(stream)
 
-    task = asyncio.ensure_future(run())
     try:
-        while not task.done():
-            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                log.info("client went away; request %s cancelled", shape.id)
-                break
-        else:
-            return task.result()
+        return await _unless_gone(request, run())
+    except ClientGone:
+        log.info("client went away; request %s cancelled", shape.id)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await stream.aclose()
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it

@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 import pdserve.router.core as router_core
 from pdserve.router.validation import validate
@@ -125,3 +126,35 @@ async def test_a_failed_worker_call_names_no_internal_address(embedded_dir, capl
             message = exc.details()
         assert message and "127.0.0.1" not in message and port not in message, message
         assert port in caplog.text
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_an_http_client_gone_before_its_first_token_cancels_the_request(embedded_dir, streaming):
+    """The prefill worker is frozen for 3 s; a client that closes its connection 0.3 s after
+    sending is an abort at once (not when its first token would have come), and no worker keeps
+    the request."""
+    import httpx
+
+    async with local_pipeline(embedded_dir, "split", http=True) as pipe:
+        core = pipe.router.core
+        engine = pipe.workers[0].worker.engine
+        step, frozen = engine.step, {"done": False}
+
+        def slow_step():
+            if not frozen["done"] and engine.scheduler.waiting:
+                frozen["done"] = True
+                time.sleep(3.0)
+            return step()
+
+        engine.step = slow_step
+        before = sample(core, "pdserve:requests_total", {"finish_reason": "abort"})
+        body = {"prompt": "a long story", "max_tokens": 50, "stream": streaming}
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(base_url=pipe.http_url) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.3))
+        while sample(core, "pdserve:requests_total", {"finish_reason": "abort"}) < before + 1:
+            assert time.monotonic() - t0 < 2.5, "the abort waited for the first token"
+            await asyncio.sleep(0.05)
+        assert not core.inflight
+        assert await pipe.wait_idle() == 0
