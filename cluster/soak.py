@@ -60,6 +60,8 @@ def build_requests(n: int, rate: float, vocab: int, max_model_len: int, seed: in
         rows = scale_to_rate(window(load_trace("azure-conv"), 0.0, None, n), rate)
         arrivals, lengths = [r.t_s for r in rows], [(r.input_tokens, r.output_tokens) for r in rows]
     except FileNotFoundError:  # no datasets folder: Poisson arrivals, lengths like the trace's
+        print(f"soak: no Azure trace found (datasets folder); Poisson arrivals at {rate:g} req/s with "
+              f"trace-like lengths instead", flush=True)
         arrivals = poisson_arrivals(rate, n, seed)
         lengths = [(int(rng.lognormvariate(6.5, 1.0)), int(rng.lognormvariate(5.3, 0.8))) for _ in range(n)]
     out = []

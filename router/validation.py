@@ -122,6 +122,7 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
     temperature = s.temperature if s.HasField("temperature") else float(defaults.get("temperature", 1.0))
     top_p = s.top_p if s.HasField("top_p") else float(defaults.get("top_p", 1.0))
     top_k = s.top_k if s.HasField("top_k") else int(defaults.get("top_k", 0))
+    top_k = 0 if top_k == -1 else top_k  # -1 disables too, as in vLLM and the HTTP API
     nan = [field for field, value in (("temperature", temperature), ("top_p", top_p)) if math.isnan(value)]
     errors += [(name(field), f"{name(field)} must be a number, got NaN") for field in nan]
     errors += [(name(field), f"{name(field)} {what}")

@@ -114,3 +114,9 @@ def test_stop_strings_have_a_length_limit(embedded_dir):
                         f"the one at index 1 has {MAX_STOP_CHARS + 1}")
     huge = _refusal(tok, stop=["c" * 200_000] * MAX_STOP_STRINGS)  # what a user sent: 16 of 200 KB
     assert f"at most {MAX_STOP_CHARS} characters" in str(huge)
+
+
+def test_top_k_minus_one_disables_top_k_as_over_http(embedded_dir):
+    tok = Tokenizer.from_folder(embedded_dir)
+    req = PB.GenerateRequest(prompt="hi", sampling=PB.SamplingParams(top_k=-1))
+    assert validate(req, tok, 2048, tok.vocab_size).sampling.top_k == 0
