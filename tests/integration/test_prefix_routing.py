@@ -4,6 +4,7 @@ routing of a conversation's turns (float32, output equal to transformers)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from pdserve.engine.host.auth import internal_channel
@@ -30,6 +31,11 @@ async def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(embedde
     async with local_pipeline(embedded_dir, "split", local_prefill_tokens=32) as pipe, Client(pipe.address) as client:
         first = await client.generate(greedy(long))
         assert not first.timings.prefilled_on_decode and first.timings.kv_transfer_bytes > 0
+        # the router counts on a worker's cache once a stats poll (every 0.1 s) has shown it
+        decode_w = next(w for w in pipe.router.core.pool.workers if w.role == "decode")
+        deadline = asyncio.get_running_loop().time() + 5
+        while decode_w.cached_kv_blocks <= 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
         alone = await client.generate(greedy(short))
         assert alone.timings.prefilled_on_decode and alone.timings.kv_transfer_bytes == 0
         # the decode worker keeps the blocks of the KV it was sent: only 10 tokens are new to it
