@@ -63,24 +63,6 @@ def test_prompt_longer_than_the_budget_runs_alone() -> None:
     assert ids(sched.schedule().seqs) == ["short"]
 
 
-def test_prefill_admits_past_max_num_seqs_and_running_take_turns() -> None:
-    """A step holds at most max_num_seqs prompts, but a full running batch does not keep prompts
-    waiting: they are admitted (KV permitting) and the running sequences take turns."""
-    sched = make_scheduler(max_num_seqs=3)
-    for i in range(5):
-        sched.add(make_seq(f"r{i}", 2, max_tokens=3))
-    batch = step(sched)
-    assert batch.is_prefill and ids(batch.seqs) == ["r0", "r1", "r2"]
-    batch = step(sched)
-    assert batch.is_prefill and ids(batch.seqs) == ["r3", "r4"]
-    assert len(sched.running) == 5 and not sched.waiting
-    assert ids(step(sched).seqs) == ["r0", "r1", "r2"]
-    assert ids(step(sched).seqs) == ["r3", "r4", "r0"]
-    while sched.has_work():
-        assert len(step(sched).seqs) <= 3
-    assert sched.blocks.num_used == 0
-
-
 def test_prefill_allocates_prompt_plus_one_and_stops_when_blocks_run_out() -> None:
     sched = make_scheduler(num_blocks=4, block_size=4)
     a, b, c = make_seq("a", 7), make_seq("b", 8), make_seq("c", 1)
@@ -309,57 +291,3 @@ def test_random_workload_finishes_everything_and_frees_every_block(seed: int, ch
     assert not sched.has_work()
     assert sched.blocks.num_used == 0
     assert {s.request_id: s.num_output_tokens for s in everything} == expected
-
-
-@pytest.mark.parametrize("chunked", [True, False])
-def test_a_prompt_beside_more_admitted_kv_than_max_num_seqs_samples_at_once(chunked: bool) -> None:
-    """Split placement's decode worker: 12 sequences arrived with their KV (admit_running) on a
-    worker that steps 4 at a time, then a prompt it prefills itself (conditional disaggregation,
-    or a preempted sequence to recompute). It is not held until one of the 12 ends: it samples
-    its first token within 2 steps (it waited for all of them to finish)."""
-    sched = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64, chunked_prefill=chunked)
-    for i in range(12):
-        seq = make_seq(f"kv{i}", 3, max_tokens=500)
-        seq.append_token(NEXT_TOKEN)
-        sched.blocks.allocate(seq, seq.num_tokens)
-        sched.admit_running(seq)
-    step(sched)
-    short = make_seq("short", 10, max_tokens=3)
-    sched.add(short)
-    steps = 0
-    while not short.num_output_tokens:
-        step(sched)
-        steps += 1
-    assert steps <= 2
-    while short.status is not SequenceStatus.FINISHED:
-        assert len(step(sched).seqs) <= 4
-        steps += 1
-    assert steps <= 2 + 2 * -(-13 // 4)  # its later tokens come in turns with the 12
-
-
-@pytest.mark.parametrize("chunked", [True, False])
-def test_a_prompt_kept_out_by_a_full_kv_cache_preempts_the_largest_sequence(chunked: bool) -> None:
-    """The KV cache is full of running sequences; a new prompt waits at most PREEMPT_AFTER_STEPS
-    steps, then the sequence holding the most blocks is preempted for it (and is recomputed
-    later, second in line), so the new prompt's first token does not wait for anyone to finish."""
-    from pdserve.engine.scheduling.scheduler import PREEMPT_AFTER_STEPS
-
-    sched = make_scheduler(num_blocks=6, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                           chunked_prefill=chunked)
-    big, small = make_seq("big", 40, max_tokens=50), make_seq("small", 20, max_tokens=60)
-    sched.add(big)
-    sched.add(small)
-    step(sched)  # big holds 3 blocks, small 2: one is free
-    new = make_seq("new", 20, max_tokens=2)  # needs 2
-    sched.add(new)
-    steps = 0
-    while not new.num_output_tokens:
-        step(sched)
-        steps += 1
-        assert steps <= PREEMPT_AFTER_STEPS + 2
-    assert big.num_preemptions == 1 and small.num_preemptions == 0
-    assert ids(sched.waiting)[0] == "big"
-    while sched.has_work():
-        step(sched)
-    assert (big.num_output_tokens, small.num_output_tokens, new.num_output_tokens) == (50, 60, 2)
-    assert sched.blocks.num_used == 0

@@ -13,8 +13,7 @@ from tests.integration._pipeline import local_pipeline
 
 async def test_a_short_request_behind_a_full_decode_batch_is_not_stalled(embedded_dir):
     """6 long streams on a decode worker that steps 4 at a time, then one short request: it ends
-    long before the long ones, within a small multiple of its solo time (it used to wait until
-    one of them finished)."""
+    long before the long ones, within a small multiple of its solo time."""
     async with local_pipeline(embedded_dir, "split", max_num_seqs=4) as pipe, Client(pipe.address) as client:
         short = make_request("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True)
         t = time.monotonic()
@@ -39,9 +38,8 @@ async def test_a_short_request_beside_more_long_streams_than_max_num_seqs(embedd
                                                                           local_prefill_tokens):
     """More long streams than --max-num-seqs run, then a short request: it ends within a small
     multiple of its solo time, in split placement (prefilled on the decode worker, as a short
-    prompt or a next turn is, and with its KV pushed) and colocated. The decode worker's waiting
-    queue used to admit only while fewer than max_num_seqs ran, so a prompt it prefilled itself
-    waited for a long stream to end; and none of the long streams waits for the others."""
+    prompt or a next turn is, and with its KV pushed) and colocated; and none of the long
+    streams waits for the others."""
     async with local_pipeline(embedded_dir, placement, max_num_seqs=4, local_prefill_tokens=local_prefill_tokens,
                               num_kv_blocks=1024) as pipe, Client(pipe.address) as client:
         short = make_request("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True)

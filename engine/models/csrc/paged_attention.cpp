@@ -193,9 +193,8 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
 // Fold KV positions slots[0..n) of one KV head (k/v point at that head in position 0's row) into st.
 // Decode steps and prefill tiles run this one function from one call site, so a position's
 // attention is the same bits whichever computed it (batch invariance: a sequence that migrates or
-// is preempted, recomputed by a prefill, goes on exactly as it would have). Two copies of it, one
-// with prefetches in its loops for decode, vectorized their reductions differently: bfloat16
-// outputs 1 ulp apart, and greedy streams that diverged after a migration.
+// is preempted, recomputed by a prefill, goes on exactly as it would have). Keep it one function
+// with one call site: two compiled copies may vectorize their reductions in different orders.
 template <typename T, int kHeadDim>
 void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* slots, int64_t n,
                   int64_t row, int64_t groups, int64_t head_dim, float scale) {
