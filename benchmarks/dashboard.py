@@ -167,7 +167,7 @@ def main() -> int:
     thread = threading.Thread(target=scraper, daemon=True)
     thread.start()
     time.sleep(2 * args.interval)  # an idle baseline before the load
-    cmd = [sys.executable, "-m", "pdserve.cluster.cli", "bench", "--backend", "openai", "--url", args.url,
+    cmd = [sys.executable, "-m", "pdserve.cli.main", "bench", "--backend", "openai", "--url", args.url,
            "--out", "bench_results/dashboard", *bench_args]
     rc = subprocess.run(cmd, timeout=1800).returncode
     time.sleep(2 * args.interval)

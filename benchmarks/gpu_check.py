@@ -5,7 +5,7 @@ has torch, transformers, grpcio and msgpack but no Ray and no network). Needs no
 
 1. float32 with TF32 off: greedy output of every prompt, batched, equals transformers' on the
    same device, token for token.
-2. bfloat16: logits within the tolerance of ``tests/engine/test_bf16.py`` (0.1 std).
+2. bfloat16: logits within the tolerance of ``tests/engine/models/test_bf16.py`` (0.1 std).
 3. W1 in bfloat16 (32 x 256 -> 64) via ``run_throughput``, and the decode step time per batch size.
 Exits 1 when a correctness check fails.
 """
@@ -18,11 +18,11 @@ import sys
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.engine.throughput import format_result, median_decode_step_ms, run_throughput
+from pdserve.cli.throughput import format_result, median_decode_step_ms, run_throughput
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "In a distant galaxy, a small robot", "今天天气很好，我们", "Hello" * 40]
@@ -42,7 +42,7 @@ def check_fp32(folder, max_tokens: int = 24) -> bool:
     torch.backends.cudnn.allow_tf32 = False
     tok = Tokenizer.from_folder(folder)
     prompts = [tok.encode(p) for p in PROMPTS]
-    engine = Engine(EngineConfig(model=str(folder), dtype="float32", device=DEVICE, num_kv_blocks=512))
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device=DEVICE, num_kv_blocks=512))
     ours = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     hf = hf_model(folder, torch.float32)
     ok = True
@@ -63,7 +63,7 @@ def check_bf16(folder) -> bool:
     from pdserve.engine.models.attention import AttentionMetadata
 
     tok = Tokenizer.from_folder(folder)
-    engine = Engine(EngineConfig(model=str(folder), dtype="bfloat16", device=DEVICE, num_kv_blocks=512))
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", device=DEVICE, num_kv_blocks=512))
     hf = hf_model(folder, torch.bfloat16)
     model, cache = engine.runner.model, engine.runner.kv_cache
     worst = 0.0
@@ -85,7 +85,7 @@ def check_bf16(folder) -> bool:
 
 
 def decode_steps(model: str, batch_sizes: list[int], context: int = 256, steps: int = 20) -> None:
-    engine = Engine(EngineConfig(model=model, dtype="bfloat16", device=DEVICE, kv_cache_gib=2.0,
+    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device=DEVICE, kv_cache_gib=2.0,
                                  max_num_seqs=max(batch_sizes)))
     vocab = engine.model_cfg.vocab_size
     for b in batch_sizes:

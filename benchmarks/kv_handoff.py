@@ -42,7 +42,7 @@ import torch
 import pdserve.decode_worker.worker as decode
 import pdserve.prefill_worker.worker as prefill_mod
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.kv import codec
 from pdserve.engine.kv.codec import KvPayload, pack_kv, unpack_kv
 from pdserve.engine.models.loader import resolve_model_dir
@@ -99,7 +99,7 @@ def unpack_stage(frame: bytes, fp, buffers):
     return run
 
 
-def prefill(engine: Engine, rid: str, ids: list[int]) -> tuple[Sequence, float]:
+def prefill(engine: LLMEngine, rid: str, ids: list[int]) -> tuple[Sequence, float]:
     """Prefill ``ids`` alone; returns the sequence (still holding its blocks) and the step's ms."""
     seq = engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=2))
     t0 = time.perf_counter()
@@ -109,7 +109,7 @@ def prefill(engine: Engine, rid: str, ids: list[int]) -> tuple[Sequence, float]:
     return seq, ms
 
 
-def write_ms(engine: Engine, kv: torch.Tensor, ids: list[int], repeats: int) -> float:
+def write_ms(engine: LLMEngine, kv: torch.Tensor, ids: list[int], repeats: int) -> float:
     """Engine thread: time ``write_kv`` of ``kv`` into freshly allocated blocks."""
     seq = Sequence.new("bench-write", ids, SamplingParams(max_tokens=2), engine.eos_token_ids)
     engine.blocks.allocate(seq, len(ids))
@@ -119,7 +119,7 @@ def write_ms(engine: Engine, kv: torch.Tensor, ids: list[int], repeats: int) -> 
         engine.blocks.free(seq)
 
 
-async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: Engine, server, e2e_address: str,
+async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: LLMEngine, server, e2e_address: str,
                    args) -> tuple[float, float]:
     """Min-of-N ms of ``push`` (a packed frame, to ``server``) and ``e2e`` (read + the prefill worker's
     push, to the decode worker at ``e2e_address``)."""
@@ -190,7 +190,7 @@ def start_decode_process(dtype: str, max_len: int, args) -> tuple[subprocess.Pop
 async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
     max_len = max(lengths)
     cfg = engine_config(dtype, max_len, args)
-    engine = await asyncio.to_thread(Engine, cfg)
+    engine = await asyncio.to_thread(LLMEngine, cfg)
     server = await decode.serve(cfg)
     child, e2e_address = start_decode_process(dtype, max_len, args) if args.decode_process else (None, server.address)
     rows, rng = [], random.Random(0)

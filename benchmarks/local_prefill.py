@@ -48,7 +48,7 @@ async def background(client: Client, ids: list[int], gaps: list[float], stop: as
 async def main(args: argparse.Namespace) -> None:
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
-    import pdserve.router.server as router
+    import pdserve.router.grpc_api as router
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.models.loader import resolve_model_dir
 

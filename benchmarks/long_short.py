@@ -13,8 +13,8 @@ import argparse
 import random
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine
-from pdserve.engine.throughput import median_decode_step_ms
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.cli.throughput import median_decode_step_ms
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--long-len", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, torch_threads=args.threads,
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, torch_threads=args.threads,
                                  attention_backend=args.attention_backend, kv_cache_gib=1.0))
     rng = random.Random(0)
     vocab = engine.model_cfg.vocab_size

@@ -38,11 +38,11 @@ def cpu_model() -> str:
 def measure(model: str, dtype: str, max_tokens: int, points: list[int]) -> dict:
     from pdserve.engine.batch_invariance import logits_after
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.engine import Engine
+    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.params import SamplingParams
 
     cfg = EngineConfig(model=model, dtype=dtype, num_kv_blocks=1024)
-    engine = Engine(cfg)
+    engine = LLMEngine(cfg)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     undisturbed = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     pairs = diverged = 0

@@ -399,7 +399,7 @@ def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[di
             row = {"dtype": dtype, "system": system}
             print(f"W1 {tag}: {args.num_prompts} x {args.input_len} -> {args.output_len}...", flush=True)
             if system == "pdserve":
-                cmd = [sys.executable, "-m", "pdserve.cluster.cli", "throughput", "--model", str(model_dir),
+                cmd = [sys.executable, "-m", "pdserve.cli.main", "throughput", "--model", str(model_dir),
                        "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                        "--output-len", str(args.output_len), "--dtype", dtype, "--seed", str(args.seed),
                        "--max-model-len", str(args.max_model_len), "--kv-cache-gib", str(args.kv_cache_gib),
@@ -541,7 +541,7 @@ def start_server(system: str, args, model_dir: Path, out: Path, vllm_py: Path | 
         wait_ready(proc, log, args.start_timeout, lambda: http_ok(f"http://127.0.0.1:{port}/health"))
     else:
         placement = system.split("-", 1)[1]
-        cmd = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--placement", placement,
+        cmd = [sys.executable, "-m", "pdserve.cli.main", "serve", "--placement", placement,
                "--cpus-per-worker", "1", "--port", str(port), "--model", str(model_dir),
                "--dtype", args.serve_dtype, "--max-model-len", str(args.max_model_len),
                "--kv-cache-gib", str(args.kv_cache_gib), "--http-port", "0"]  # the gRPC client drives it
@@ -601,7 +601,7 @@ def write_schedule(path: Path, times: list[float], input_len: int, output_len: i
 
 
 def _pdserve_bench_cmd(args, port: int, arrival: list[str], num: int, seed: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cluster.cli", "bench", "--router", f"127.0.0.1:{port}", *arrival,
+    return [sys.executable, "-m", "pdserve.cli.main", "bench", "--router", f"127.0.0.1:{port}", *arrival,
             "--num-requests", str(num), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--prompts", "random", "--seed", str(seed), "--slo-ttft-ms", f"{args.slo_ttft_ms:g}",
             "--slo-tpot-ms", f"{args.slo_tpot_ms:g}", "--max-duration", f"{args.max_duration:g}",

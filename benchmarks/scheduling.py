@@ -28,10 +28,10 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.backends import GrpcBackend
-from pdserve.bench.args import add_workload_args, build_specs
-from pdserve.bench.cli import bench_once
-from pdserve.bench.metrics import prefix_cache_report, prefix_reuse_ceiling, summarize
+from pdserve.loadgen.targets import GrpcBackend
+from pdserve.loadgen.args import add_workload_args, build_specs
+from pdserve.cli.bench import bench_once
+from pdserve.loadgen.metrics import prefix_cache_report, prefix_reuse_ceiling, summarize
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.launch import start_cluster
 from pdserve.engine.config import EngineConfig, ModelConfig

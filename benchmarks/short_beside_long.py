@@ -41,7 +41,7 @@ async def timed(client: Client, request) -> tuple[float, float, object]:
 async def main(args: argparse.Namespace) -> None:
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
-    import pdserve.router.server as router
+    import pdserve.router.grpc_api as router
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.models.loader import resolve_model_dir
 

@@ -15,7 +15,7 @@ def _advertised_host(bind_host: str) -> str:
 
 def _set_secret(secret: str | None) -> None:
     """Every pdserve server and internal channel of this actor's process reads the secret from here."""
-    from pdserve.engine.host.auth import SECRET_ENV
+    from pdserve.rpc.auth import SECRET_ENV
 
     if secret:
         os.environ[SECRET_ENV] = secret
@@ -52,7 +52,7 @@ class WorkerActor:
         elif role == "decode":
             from pdserve.decode_worker.worker import serve
         else:
-            from pdserve.decode_worker.colocated import serve
+            from pdserve.colocated_worker.worker import serve
         self.running = await serve(engine_cfg, bind_host, 0)
         self.advertised = f"{_advertised_host(bind_host)}:{self.running.address.rsplit(':', 1)[1]}"
         return self.advertised
@@ -73,7 +73,7 @@ class RouterActor:
     def __init__(self) -> None:
         self.running = None
 
-    async def start(self, model_dir: str, prefill: list[str], decode: list[str], both: list[str],
+    async def start(self, model_dir: str, prefill: list[str], decode: list[str], colocated: list[str],
                     bind_host: str, port: int, max_model_len: int | None, http_port: int | None = None,
                     model_name: str | None = None, api_keys: tuple[str, ...] = (),
                     secret: str | None = None, max_requests_per_worker: int = 0,
@@ -82,9 +82,9 @@ class RouterActor:
         """Serve; returns the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _set_secret(secret)
-        from pdserve.router.server import serve
+        from pdserve.router.grpc_api import serve
 
-        self.running = r = await serve(model_dir, prefill, decode, both, bind_host, port, max_model_len,
+        self.running = r = await serve(model_dir, prefill, decode, colocated, bind_host, port, max_model_len,
                                        http_port=http_port, model_name=model_name, api_keys=api_keys,
                                        max_requests_per_worker=max_requests_per_worker, tls=tls,
                                        routing=routing, local_prefill_tokens=local_prefill_tokens)

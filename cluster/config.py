@@ -22,7 +22,7 @@ class ClusterConfig:
 
     split: ``num_prefill`` prefill workers + ``num_decode`` decode workers, each on its own device
     (one GPU each when GPUs exist; otherwise ``cpus_per_worker`` CPUs and as many torch threads).
-    colocated: ``num_prefill + num_decode`` workers of role "both" with the same per-worker resources,
+    colocated: ``num_prefill + num_decode`` workers of role "colocated" with the same per-worker resources,
     so both placements use the same total hardware.
     ``device`` None picks GPUs when the Ray cluster has one per worker, else CPUs; "cuda" or "cpu"
     forces it (``start_cluster`` refuses "cuda" without enough GPUs).
@@ -86,7 +86,7 @@ class ClusterConfig:
     def roles(self) -> list[str]:
         """Role of each worker to start, in order."""
         if self.placement == "colocated":
-            return ["both"] * (self.num_prefill + self.num_decode)
+            return ["colocated"] * (self.num_prefill + self.num_decode)
         return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
 
     def use_gpus(self, available_gpus: float) -> bool:

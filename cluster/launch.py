@@ -17,7 +17,7 @@ import ray
 from pdserve.cluster.actors import RouterActor, WorkerActor
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.supervisor import Supervised, Supervisor
-from pdserve.engine.host.auth import cluster_secret
+from pdserve.rpc.auth import cluster_secret
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
@@ -192,12 +192,12 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         start_args = [(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret) for i, r in enumerate(roles)]
         addresses = ray.get([a.start.remote(*args) for a, args in zip(actors, start_args)], timeout=START_TIMEOUT_S)
         cluster.workers = dict(zip(addresses, roles))
-        by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "both")}
+        by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "colocated")}
         router = RouterActor.remote()
         cluster._actors.append(router)
         router_bind = cfg.router_host if started else "0.0.0.0"
         cluster.address, cluster.http_address = ray.get(router.start.remote(
-            str(model_dir), by_role["prefill"], by_role["decode"], by_role["both"], router_bind,
+            str(model_dir), by_role["prefill"], by_role["decode"], by_role["colocated"], router_bind,
             cfg.router_port, cfg.engine.max_model_len, cfg.http_port, model_name, cfg.api_keys, secret,
             cfg.max_requests_per_worker, cfg.tls, cfg.routing, cfg.local_prefill_tokens),
             timeout=START_TIMEOUT_S)

@@ -1,6 +1,6 @@
 """``python -m pdserve.decode_worker``: one standalone decode worker."""
 
 from pdserve.decode_worker.worker import serve
-from pdserve.engine.host.worker_main import run_worker
+from pdserve.worker.main import run_worker
 
 run_worker("pdserve decode worker", serve)

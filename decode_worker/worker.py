@@ -7,12 +7,12 @@ import time
 
 import grpc
 
-from pdserve.engine.engine import Engine, KvCacheFullError
+from pdserve.engine.llm_engine import LLMEngine, KvCacheFullError
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.scheduling.sequence import Sequence
-from pdserve.engine.host.worker_common import EngineHost, abort_quietly, relay_tokens, submit_quietly
+from pdserve.worker.host import EngineHost, abort_quietly, relay_tokens, submit_quietly
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 ADMIT_RETRY_S = 0.005
@@ -28,14 +28,14 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 
     A request is attached by ``Decode`` (the router calls it before prefill); its KV arrives through
     ``PushKv`` within ``kv_timeout_s`` seconds or the stream fails with DEADLINE_EXCEEDED. Given the
-    prompt, ``Decode`` first holds its cached prefix (``Engine.pin_prefix``) and says how many
+    prompt, ``Decode`` first holds its cached prefix (``LLMEngine.pin_prefix``) and says how many
     tokens that is, so the push can leave them out. KV for a
     request nobody waits for is refused before it is assembled, so no block is ever allocated for it.
     """
 
     role = "decode"
 
-    def __init__(self, engine: Engine, kv_timeout_s: float = 30.0, limits: KvLimits = KvLimits()) -> None:
+    def __init__(self, engine: LLMEngine, kv_timeout_s: float = 30.0, limits: KvLimits = KvLimits()) -> None:
         self.engine = engine
         self.kv_timeout_s = kv_timeout_s
         self.limits = limits
@@ -170,12 +170,12 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float
     ColocatedService on the same engine for requests the router has it prefill itself
     (conditional disaggregation).
 
-    Returns a ``pdserve.engine.host.worker_common.RunningWorker``; ``port=0`` picks a free port.
+    Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
-    from pdserve.engine.host.worker_common import serve_worker
+    from pdserve.worker.host import serve_worker
 
-    engine = await asyncio.to_thread(Engine, for_role(cfg, "decode"))
-    from pdserve.decode_worker.colocated import ColocatedWorker
+    engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "decode"))
+    from pdserve.worker.colocated_service import ColocatedWorker
 
     worker = DecodeWorker(engine, kv_timeout_s)
     local = ColocatedWorker(engine, worker.host)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 import pdserve.engine.model_runner as runner_module
-from pdserve.engine.engine import Engine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 
 
-def logits_after(engine: Engine, prompt: list[int], produced: list[int]) -> torch.Tensor:
+def logits_after(engine: LLMEngine, prompt: list[int], produced: list[int]) -> torch.Tensor:
     """The logits ``[vocab_size]`` (the engine's dtype) for the position after ``prompt +
     produced``: the prompt is prefilled, then ``produced`` is fed to the sampler one decode step
     at a time (as an undisturbed stream computes it); with ``produced`` empty, one prefill of

@@ -110,8 +110,8 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 # sequence, and a fixed token count is the wrong unit: a 256-token chunk took 110 ms on a core with
 # bfloat16 matmul and 0.9-1.7 s (more with context) on an AVX2 core in float32. Unless a budget is
 # given, it sizes chunks to DEFAULT_TARGET_ITL_MS instead (StepTimeModel), within 2048 tokens.
-DEFAULT_TOKEN_BUDGET = {"both": 2048, "prefill": 2048, "decode": 2048}
-DEFAULT_TARGET_ITL_MS = {"both": 200.0}  # a reading-speed token rate (5 tokens/s); DistServe's chat TPOT SLOs are 0.1-0.2 s
+DEFAULT_TOKEN_BUDGET = {"colocated": 2048, "prefill": 2048, "decode": 2048}
+DEFAULT_TARGET_ITL_MS = {"colocated": 200.0}  # a reading-speed token rate (5 tokens/s); DistServe's chat TPOT SLOs are 0.1-0.2 s
 UNCHUNKED_TOKEN_BUDGET = 4096
 
 

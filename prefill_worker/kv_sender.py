@@ -9,8 +9,8 @@ import grpc
 from pdserve.engine.kv.codec import Frame
 from pdserve.engine.kv.framing import DEFAULT_CHUNK_BYTES, iter_chunks
 from pdserve.engine.kv.transfer import KvTransferError
-from pdserve.engine.host.auth import internal_channel
-from pdserve.engine.host.serving import GRPC_OPTIONS
+from pdserve.rpc.auth import internal_channel
+from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2
 
 PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKv"

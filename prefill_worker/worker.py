@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.engine import Engine, StepOutput
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.scheduling.sequence import FinishReason
-from pdserve.engine.host.worker_common import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
+from pdserve.worker.host import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,14 +37,14 @@ class PrefillDone:
 class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     """Composes an EngineHost (engine + its thread) and a KvSender.
 
-    After each prefill step every sequence leaves the engine at once (``Engine.extract_kv``), so its
+    After each prefill step every sequence leaves the engine at once (``LLMEngine.extract_kv``), so its
     blocks are free before the next step and this engine never runs a decode step. The KV is copied
     into host buffers that are reused once a push succeeded (``kv_buffers``).
     """
 
     role = "prefill"
 
-    def __init__(self, engine: Engine, kv_sender: KvSender) -> None:
+    def __init__(self, engine: LLMEngine, kv_sender: KvSender) -> None:
         self.engine = engine
         self.kv_sender = kv_sender
         self.kv_buffers = HostBuffers()
@@ -119,12 +119,12 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
     """Build the engine (off the event loop) and serve PrefillService + WorkerService.
 
-    Returns a ``pdserve.engine.host.worker_common.RunningWorker``; ``port=0`` picks a free port.
+    Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
-    from pdserve.engine.host.worker_common import serve_worker
+    from pdserve.worker.host import serve_worker
     from pdserve.prefill_worker.kv_sender import GrpcKvSender
 
-    engine = await asyncio.to_thread(Engine, for_role(cfg, "prefill"))
+    engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "prefill"))
     worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
     return await serve_worker(worker, worker_pb2_grpc.add_PrefillServiceServicer_to_server,
                               "pdserve.v1.PrefillService", host, port)

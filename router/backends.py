@@ -47,7 +47,7 @@ class RequestState:
     owner: int | None = None
     shutting_down: bool = False  # the router is stopping: end with an error, not as an abort
     last_token_ns: int = field(default_factory=time.monotonic_ns)  # receipt, then each token message
-    stalled: bool = False  # longer than the stall bound without a token (RouterCore.watch_stalls)
+    stalled: bool = False  # longer than the stall bound without a token (Frontend.watch_stalls)
 
     def abort(self) -> None:
         self.aborted = True

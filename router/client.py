@@ -8,8 +8,8 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from pdserve.engine.host.auth import API_KEY_ENV, SECRET_HEADER, client_channel
-from pdserve.engine.host.serving import GRPC_OPTIONS
+from pdserve.rpc.auth import API_KEY_ENV, SECRET_HEADER, client_channel
+from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import generate_pb2 as PB
 from pdserve.v1 import generate_pb2_grpc
 

@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.chat import ChatTemplate, ChatTemplateError
-from pdserve.router.core import RequestRejected, RouterCore
-from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.frontend import RequestRejected, Frontend
+from pdserve.router.prometheus import CONTENT_TYPE
 from pdserve.router.validation import InvalidRequest, check_text_fits
 from pdserve.router.openai_protocol import BadRequest, ChatRequest, CompletionRequest, parse
 from pdserve.router.openai_responses import ResponseShape, error_body, timings_json
@@ -51,7 +51,7 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def build_app(core: RouterCore) -> FastAPI:
+def build_app(core: Frontend) -> FastAPI:
     """The FastAPI app over ``core``; ``core.model_name`` is the id clients see and send as ``model``
     (the folder's path and name are accepted too, but never shown)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)

@@ -10,8 +10,8 @@ from functools import cached_property
 
 import grpc
 
-from pdserve.engine.host.auth import internal_channel
-from pdserve.engine.host.serving import GRPC_OPTIONS
+from pdserve.rpc.auth import internal_channel
+from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.engine.scheduling.prefix_hash import BlockHash, prefix_hashes
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -91,7 +91,7 @@ class WorkerPool:
     ``least-loaded``:
       - prefill: least outstanding prefill tokens (ties: fewer active requests);
       - decode: most free KV blocks (ties: fewer active requests);
-      - colocated ("both"): least outstanding prefill tokens, then fewest active requests.
+      - colocated: least outstanding prefill tokens, then fewest active requests.
     ``prefix-aware`` (the default) keeps a ``PrefixIndex`` of the blocks each worker was sent:
       - prefill and colocated: the least tokens to compute before this request's first token, its
         queue plus its prompt minus the prefix the worker holds (Dynamo's KV router's cost, in
@@ -103,7 +103,7 @@ class WorkerPool:
     past it on every worker, a new request is refused (Overloaded) instead of queuing without end.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], both: list[str], max_requests_per_worker: int = 0,
+    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], max_requests_per_worker: int = 0,
                  routing: str = "prefix-aware") -> None:
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}; choose {' or '.join(ROUTING_POLICIES)}")
@@ -112,14 +112,14 @@ class WorkerPool:
         self._restarting: dict[str, float] = {}  # address -> monotonic time until which its restart is awaited
         self.workers = ([WorkerHandle.connect("prefill", a) for a in prefill]
                         + [WorkerHandle.connect("decode", a) for a in decode]
-                        + [WorkerHandle.connect("both", a) for a in both])
+                        + [WorkerHandle.connect("colocated", a) for a in colocated])
         self._poller: asyncio.Task | None = None
         self.on_refresh: list = []  # async callables run after each stats poll
         self.max_requests_per_worker = max_requests_per_worker  # 0: no bound
 
     @property
     def placement(self) -> str:
-        return "colocated" if any(w.role == "both" for w in self.workers) else "split"
+        return "colocated" if any(w.role == "colocated" for w in self.workers) else "split"
 
     def _candidates(self, role: str) -> list[WorkerHandle]:
         ws = [w for w in self.workers if w.role == role and w.healthy]
@@ -136,7 +136,7 @@ class WorkerPool:
 
     def roles_without_healthy_worker(self) -> list[str]:
         """The roles this placement needs that have no healthy worker now ([] when ready)."""
-        needed = ("both",) if self.placement == "colocated" else ("prefill", "decode")
+        needed = ("colocated",) if self.placement == "colocated" else ("prefill", "decode")
         return [r for r in needed if not any(w.role == r and w.healthy for w in self.workers)]
 
     @property
@@ -190,7 +190,7 @@ class WorkerPool:
 
     def pick_colocated(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
         """The colocated worker for an ``n``-token prompt (see the class docstring)."""
-        return self._pick_by_tokens(self._with_room("both"), n, list(hashes))
+        return self._pick_by_tokens(self._with_room("colocated"), n, list(hashes))
 
     def served(self, w: WorkerHandle, token_ids: list[int]) -> None:
         """``w`` computed (or was sent) the KV of ``token_ids``: index its full blocks."""

@@ -1,4 +1,5 @@
-"""DESIGN.md §2 import rules and the file-size limit, checked with ``ast`` over the source tree.
+"""The import layers (docs/architecture.md, "Layout") and the file-size limit, checked with ``ast``
+over the source tree.
 
 The checkout's top-level folders install as ``pdserve.<folder>`` (pyproject.toml ``package-dir``), so
 ``engine/config.py`` is the module ``pdserve.engine.config`` and our code imports it by that name.
@@ -15,8 +16,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "pdserve"
-PACKAGES = ("proto", "engine", "prefill_worker", "decode_worker", "router", "cluster")
-ALL_FOLDERS = (*PACKAGES, "bench")  # every folder that installs under the namespace
+PACKAGES = ("proto", "engine", "rpc", "worker", "prefill_worker", "decode_worker", "colocated_worker", "router",
+            "cluster", "loadgen", "soak", "cli")
+ALL_FOLDERS = PACKAGES  # every folder that installs under the namespace
+ROLES = ("prefill_worker", "decode_worker", "colocated_worker")
+# Which of our folders each folder may import (``v1``: the generated gRPC stubs). Each folder imports
+# only folders listed before it here, so the folders form layers and no import goes round in a circle.
+MAY_IMPORT = {
+    "engine": set(),
+    "rpc": set(),
+    "worker": {"engine", "rpc", "v1"},
+    **{role: {"engine", "rpc", "v1", "worker"} for role in ROLES},
+    "router": {"engine", "rpc", "v1"},
+    "cluster": {"engine", "rpc", "v1", "worker", *ROLES, "router"},
+    "loadgen": {"engine", "rpc", "v1", "worker", "router"},
+    "soak": {"engine", "rpc", "v1", "worker", "router", "cluster", "loadgen"},
+    "cli": {"engine", "rpc", "v1", "worker", *ROLES, "router", "cluster", "loadgen", "soak"},
+}
+SIZE_CHECKED = (*PACKAGES, "benchmarks")  # benchmarks/ holds scripts, not a package, and keeps the same limit
 MAX_LINES = 300
 
 
@@ -167,22 +184,31 @@ def test_proto_imports_nothing_of_ours() -> None:
     assert not bad, "proto/ may import only google.protobuf, grpc and pdserve.v1.*:\n" + "\n".join(bad)
 
 
-def test_engine_does_not_import_ray_or_role_packages() -> None:
-    bad = forbidden_imports("engine", {"ray", *map(ours, ("prefill_worker", "decode_worker", "router", "cluster"))})
-    assert not bad, "engine/ is the shared core (DESIGN.md §2):\n" + "\n".join(bad)
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_folders_import_only_the_layers_below(package: str) -> None:
+    allowed = {ours(p) for p in (*MAY_IMPORT[package], package)}
+    bad = [imp.where(ROOT) for path in source_files(ROOT, package) for imp in imports_of(path, ROOT)
+           if imp.is_ours and imp.top not in allowed]
+    assert not bad, (f"{package}/ may import only {sorted(MAY_IMPORT[package])} of ours (MAY_IMPORT):\n"
+                     + "\n".join(bad))
 
 
-@pytest.mark.parametrize(("package", "other"), [("prefill_worker", "decode_worker"),
-                                                ("decode_worker", "prefill_worker")])
-def test_roles_do_not_import_each_other(package: str, other: str) -> None:
-    bad = forbidden_imports(package, {ours(other)})
-    assert not bad, f"{package}/ must not import {other}/; move shared code to engine/:\n" + "\n".join(bad)
+def test_layers_have_no_circle() -> None:
+    order = list(MAY_IMPORT)
+    for package, allowed in MAY_IMPORT.items():
+        later = [p for p in allowed if p in order and order.index(p) >= order.index(package)]
+        assert not later, f"{package} may import {later}, listed after it: MAY_IMPORT must stay layered"
 
 
-@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "cluster"])
-def test_only_cluster_imports_ray(package: str) -> None:
+def test_engine_knows_no_grpc_and_no_ray() -> None:
+    bad = forbidden_imports("engine", {"ray", "grpc", "grpc_health", "grpc_reflection", "google", ours("v1")})
+    assert not bad, "engine/ is model + attention + KV + scheduling + text; serving lives above it:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p not in ("cluster", "soak", "cli")])
+def test_only_cluster_soak_and_cli_import_ray(package: str) -> None:
     bad = forbidden_imports(package, {"ray"})
-    assert not bad, "only cluster/ may import ray:\n" + "\n".join(bad)
+    assert not bad, "only cluster/, soak/ and cli/ may import ray:\n" + "\n".join(bad)
 
 
 def test_router_never_reaches_torch_transformers_or_ray() -> None:
@@ -190,7 +216,7 @@ def test_router_never_reaches_torch_transformers_or_ray() -> None:
     assert not bad, "router/ must stay torch-free, also through what it imports:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", SIZE_CHECKED)
 def test_source_files_stay_small(package: str) -> None:
     long = []
     for path in source_files(ROOT, package):
@@ -199,7 +225,7 @@ def test_source_files_stay_small(package: str) -> None:
         n = len(path.read_text(encoding="utf-8").splitlines())
         if n > MAX_LINES:
             long.append(f"{path.relative_to(ROOT)}: {n} lines")
-    assert not long, f"files over {MAX_LINES} lines (DESIGN.md §9):\n" + "\n".join(long)
+    assert not long, f"files over {MAX_LINES} lines:\n" + "\n".join(long)
 
 
 # -- the checker itself, on a throwaway tree ------------------------------------------------------
@@ -214,7 +240,7 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 def test_closure_follows_function_level_relative_and_submodule_imports(tmp_path: Path) -> None:
     write_tree(tmp_path, {
         "router/__init__.py": "",
-        "router/server.py": "import grpc\n\ndef serve():\n    from pdserve.engine import helpers\n",
+        "router/grpc_api.py": "import grpc\n\ndef serve():\n    from pdserve.engine import helpers\n",
         "engine/__init__.py": "",
         "engine/helpers.py": "from . import deep\n",
         "engine/deep.py": "import os\nif os.name:\n    import torch.nn as nn\n",
@@ -222,7 +248,7 @@ def test_closure_follows_function_level_relative_and_submodule_imports(tmp_path:
     })
     bad = transitive_violations("router", {"torch", "transformers"}, root=tmp_path)
     assert bad == ["engine/deep.py:3 imports torch.nn (reached via engine/deep.py <- engine/helpers.py "
-                   "<- router/server.py)"]
+                   "<- router/grpc_api.py)"]
 
 
 def test_package_init_files_are_part_of_the_closure(tmp_path: Path) -> None:
@@ -244,7 +270,7 @@ def test_rules_match_namespaced_imports_and_flag_bare_ones(tmp_path: Path) -> No
         "engine/kv/codec.py": "from ..config import X\nfrom pdserve.router import server\nimport engine.config\n",
         "engine/config.py": "X = 1\n",
         "router/__init__.py": "",
-        "router/server.py": "import router\nimport pdserve.engine.kv.codec\n",
+        "router/grpc_api.py": "import router\nimport pdserve.engine.kv.codec\n",
         "prefill_worker/__init__.py": "",
         "prefill_worker/w.py": "from pdserve import decode_worker\nimport decode_worker_helpers\n",
     })
@@ -257,6 +283,6 @@ def test_rules_match_namespaced_imports_and_flag_bare_ones(tmp_path: Path) -> No
     assert forbidden_imports("prefill_worker", {ours("decode_worker")}, root=tmp_path) == [
         "prefill_worker/w.py:1 imports pdserve.decode_worker"]
     assert bare_imports(sorted(tmp_path.rglob("*.py")), tmp_path) == [
-        "engine/kv/codec.py:3 imports engine.config", "router/server.py:1 imports router"]
-    parent = closure([tmp_path / "router" / "server.py"], tmp_path)
+        "engine/kv/codec.py:3 imports engine.config", "router/grpc_api.py:1 imports router"]
+    parent = closure([tmp_path / "router" / "grpc_api.py"], tmp_path)
     assert codec in parent and tmp_path / "engine" / "config.py" in parent

@@ -19,11 +19,12 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("proto", "engine", "prefill_worker", "decode_worker", "router", "cluster", "bench")
+FOLDERS = ("proto", "engine", "rpc", "worker", "prefill_worker", "decode_worker", "colocated_worker", "router",
+           "cluster", "loadgen", "soak", "cli")
 # Package data that must travel with the code (pyproject.toml [tool.setuptools.package-data]).
 DATA_FILES = ("pdserve/v1/generate.proto", "pdserve/v1/worker.proto",
               "pdserve/v1/generate_pb2.pyi", "pdserve/v1/worker_pb2.pyi",
-              "pdserve/engine/models/embedded_corpus.txt", "pdserve/cluster/demo_prompts.json")
+              "pdserve/engine/models/embedded_corpus.txt", "pdserve/cli/demo_prompts.json")
 
 
 def installed_path(p: Path) -> str:
@@ -111,7 +112,7 @@ def test_installed_distribution_has_only_the_pdserve_namespace(tmp_path: Path) -
         dist_info = next(n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info"))
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
     check_layout(names, dist_info)
-    assert "pdserve = pdserve.cluster.cli:main" in entry_points
+    assert "pdserve = pdserve.cli.main:main" in entry_points
 
 
 def test_proto_plus_and_pdserve_import_side_by_side(tmp_path: Path) -> None:

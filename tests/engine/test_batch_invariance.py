@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.batch_invariance import logits_after
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.kernels import KernelUnavailable, load_cpu_kernels
 from pdserve.engine.params import SamplingParams
 
@@ -26,7 +26,7 @@ def test_prefill_and_decode_compute_a_position_the_same_bits(embedded_dir, dtype
         load_cpu_kernels()
     except KernelUnavailable as exc:
         pytest.skip(f"the C++ kernel cannot be built here: {exc}")
-    engine = Engine(EngineConfig(model=str(embedded_dir), dtype=dtype, num_kv_blocks=512, block_size=16,
+    engine = LLMEngine(EngineConfig(model=str(embedded_dir), dtype=dtype, num_kv_blocks=512, block_size=16,
                                  attention_backend="cpu-paged", enable_prefix_caching=False))
     prompt = engine.tokenizer.encode(STORY)
     out = engine.generate([prompt], greedy(40))[0]

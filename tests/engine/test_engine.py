@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Engine, KvCacheFullError
+from pdserve.engine.llm_engine import LLMEngine, KvCacheFullError
 from pdserve.engine.kv.codec import pack_kv, unpack_kv
 from pdserve.engine.params import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts
@@ -22,7 +22,7 @@ def prompts(embedded_dir):
 
 
 def test_batched_greedy_equals_alone_and_reference(embedded_dir, prompts):
-    engine = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=512))
+    engine = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=512))
     batched = engine.generate(prompts, GREEDY)
     for p, out in zip(prompts, batched):
         assert engine.generate([p], GREEDY)[0] == out
@@ -32,7 +32,7 @@ def test_batched_greedy_equals_alone_and_reference(embedded_dir, prompts):
 
 def test_preemption_recomputes_identically(embedded_dir, prompts):
     """A cache too small for every sequence at once forces preemption; tokens must not change."""
-    small = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=40, block_size=8))
+    small = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=40, block_size=8))
     params = SamplingParams(temperature=0.0, max_tokens=60)
     picked = prompts[:6]
     need = sum(small.blocks.blocks_for(len(p) + 60) for p in picked)
@@ -47,7 +47,7 @@ def test_preemption_recomputes_identically(embedded_dir, prompts):
     small.scheduler._preempt = spy
     outs = small.generate(picked, params)
     assert preempted, "no preemption happened; the test proves nothing"
-    big = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=1024, block_size=8))
+    big = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=1024, block_size=8))
     assert outs == big.generate(picked, params)
     assert small.blocks.num_used == 0
 
@@ -55,10 +55,10 @@ def test_preemption_recomputes_identically(embedded_dir, prompts):
 def test_kv_handoff_between_engines_equals_single_engine(embedded_dir, prompts):
     """Prefill on one engine, pack/unpack the KV, decode on another: the split path in-process."""
     for dtype in ("float32", "bfloat16"):
-        prefill = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype))
-        decode = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, block_size=16, dtype=dtype))
+        prefill = LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype))
+        decode = LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, block_size=16, dtype=dtype))
         params = SamplingParams(temperature=0.7, top_k=40, seed=7, max_tokens=12)
-        expected = Engine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype)).generate(
+        expected = LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype)).generate(
             prompts[:4], params)
         for i, p in enumerate(prompts[:4]):
             prefill.add_request(f"r{i}", p, params)
@@ -74,7 +74,7 @@ def test_kv_handoff_between_engines_equals_single_engine(embedded_dir, prompts):
 
 
 def test_request_checks_and_cache_full(embedded_dir, prompts):
-    engine = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64))
+    engine = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("a", [], GREEDY)
     with pytest.raises(ValueError, match="out of range"):
@@ -83,7 +83,7 @@ def test_request_checks_and_cache_full(embedded_dir, prompts):
         engine.add_request("c", [5] * 50, GREEDY)
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("d", [5] * 30, SamplingParams(temperature=0, max_tokens=30))
-    donor = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=64, block_size=4))
+    donor = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=64, block_size=4))
     donor.add_request("e", [5] * 20, SamplingParams(temperature=0, max_tokens=5))
     payload = donor.extract_kv(donor.step()[0].seq)
     engine.admit_kv(payload)  # takes 6 of 8 blocks
@@ -100,15 +100,15 @@ def test_a_kv_kept_out_by_a_full_cache_preempts_and_every_output_is_unchanged(em
     ``preempt`` it admits the KV by preempting the sequence holding the most blocks, which is
     recomputed there later: every greedy output still equals an engine with room (float32)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    donor = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256, block_size=8))
+    donor = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256, block_size=8))
     picked = prompts[:3]
     for i, p in enumerate(picked):
         donor.add_request(f"r{i}", p, params)
     payloads = [donor.extract_kv(o.seq) for o in donor.step()]
-    expected = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
+    expected = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
                                    block_size=8)).generate(picked, params)
     need = [donor.blocks.blocks_for(len(p) + 40) for p in picked]
-    decode = Engine(EngineConfig(model=str(embedded_dir), dtype="float32", block_size=8,
+    decode = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", block_size=8,
                                  num_kv_blocks=max(need[0] + need[1], need[2] + max(need[:2]))))
     seqs = [decode.admit_kv(payloads[0]), decode.admit_kv(payloads[1])]
     while decode.blocks.num_free >= decode.blocks.blocks_for(len(picked[2]) + 1):

@@ -1,5 +1,5 @@
 """A gRPC stream across test_two_nodes.py's link, with pdserve's channel and server options
-(``pdserve.engine.host.serving.GRPC_OPTIONS``), run inside one of its network namespaces.
+(``pdserve.rpc.server.GRPC_OPTIONS``), run inside one of its network namespaces.
 
     python _link_probe.py serve HOST:PORT          # streams a message every 0.2 s to each caller
     python _link_probe.py call HOST:PORT --timeout S
@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from pdserve.engine.host.serving import GRPC_OPTIONS
+from pdserve.rpc.server import GRPC_OPTIONS
 
 METHOD = "/probe.Probe/Stream"
 

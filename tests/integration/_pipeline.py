@@ -22,7 +22,7 @@ class Pipeline:
 
     async def used_blocks(self) -> int:
         """Sum of used KV blocks over all workers, read through WorkerService.GetStats."""
-        from pdserve.engine.host.auth import internal_channel
+        from pdserve.rpc.auth import internal_channel
 
         total = 0
         for w in self.workers:
@@ -50,10 +50,10 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``).
     ``num_prefill`` / ``num_decode``: workers per pool (``num_decode`` colocated workers when colocated)."""
-    import pdserve.decode_worker.colocated as colocated
+    import pdserve.colocated_worker.worker as colocated
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
-    import pdserve.router.server as router
+    import pdserve.router.grpc_api as router
     from pdserve.engine.config import EngineConfig
 
     cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype,
@@ -68,7 +68,7 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
                                routing=routing, local_prefill_tokens=local_prefill_tokens)
     else:
         workers = list(await asyncio.gather(*[colocated.serve(cfg) for _ in range(num_decode)]))
-        r = await router.serve(model, both=[w.address for w in workers], http_port=0 if http else None,
+        r = await router.serve(model, colocated=[w.address for w in workers], http_port=0 if http else None,
                                model_name="test-model", api_keys=api_keys, max_requests_per_worker=max_requests_per_worker,
                                tls=tls, routing=routing)
     try:

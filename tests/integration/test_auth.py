@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.host.auth import SECRET_ENV
+from pdserve.rpc.auth import SECRET_ENV
 from pdserve.router.client import Client, make_request
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration._pipeline import local_pipeline
@@ -117,7 +117,7 @@ async def test_model_info_shows_the_model_path_and_worker_addresses_only_to_an_a
 
 
 def test_api_key_settings_that_would_leave_the_server_open_are_refused():
-    from pdserve.engine.host.auth import parse_api_keys
+    from pdserve.rpc.auth import parse_api_keys
 
     assert parse_api_keys(None) == () and parse_api_keys(" a , b ") == ("a", "b")
     for value in ("", ",", " , "):

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.workload import dataset_file, load_trace, window
+from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.workload import dataset_file, load_trace, window
 from tests.integration._pipeline import local_pipeline
 
-PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]
 RECORD_FIELDS = {"index", "request_id", "scheduled_s", "sent_s", "prompt_tokens", "max_tokens", "token_times_s",
                  "finish_reason", "error", "queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s",
                  "e2e_s", "itl_s", "output_tokens", "ok"}
@@ -33,7 +33,7 @@ def datasets():
 
 @pytest.mark.parametrize("placement", ["split", "colocated"])
 async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placement, monkeypatch):
-    from pdserve.engine.host.auth import SECRET_ENV
+    from pdserve.rpc.auth import SECRET_ENV
 
     monkeypatch.delenv(SECRET_ENV, raising=False)  # no admin view, so no per-worker prefix-cache stats
     async with local_pipeline(embedded_dir, placement) as pipe:
@@ -69,7 +69,7 @@ async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placemen
 async def test_bench_mooncake_reports_prefix_cache_hits_per_worker(embedded_dir, tmp_path, monkeypatch):
     """Mooncake conversation rows all start with hash id 0, so prompts after the first one find that
     block (BOS + 32 tokens: two 16-token KV blocks) cached; the cluster secret lets bench read the workers."""
-    from pdserve.engine.host.auth import SECRET_ENV
+    from pdserve.rpc.auth import SECRET_ENV
 
     try:
         dataset_file("mooncake_fast25_traces/conversation_trace.jsonl")
@@ -101,9 +101,9 @@ async def test_bench_mooncake_reports_prefix_cache_hits_per_worker(embedded_dir,
 
 async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
     """A hard duration bound cancels in-flight requests, keeps their partial records, frees blocks."""
-    from pdserve.bench.backends import GrpcBackend
-    from pdserve.bench.runner import run_load
-    from pdserve.bench.workload import RequestSpec
+    from pdserve.loadgen.targets import GrpcBackend
+    from pdserve.loadgen.runner import run_load
+    from pdserve.loadgen.workload import RequestSpec
 
     specs = [RequestSpec(i, 0.05 * i, (5, 6, 7) * 10, 1500, "synthetic") for i in range(4)]
     specs.append(RequestSpec(4, 60.0, (5,), 3, "synthetic"))  # due long after the bound: never sent
@@ -162,9 +162,9 @@ def test_compare_end_to_end(datasets, tmp_path):
 
 async def test_openai_backend_gives_the_grpc_token_counts(embedded_dir):
     """The same requests through pdserve's HTTP API (bench --backend openai) and its gRPC API."""
-    from pdserve.bench.backends import GrpcBackend, OpenAIBackend
-    from pdserve.bench.runner import run_load
-    from pdserve.bench.workload import RequestSpec
+    from pdserve.loadgen.targets import GrpcBackend, OpenAIBackend
+    from pdserve.loadgen.runner import run_load
+    from pdserve.loadgen.workload import RequestSpec
 
     specs = [RequestSpec(i, 0.02 * i, tuple(range(10 + i, 40 + 3 * i)), 3 + 2 * i, "synthetic") for i in range(5)]
     async with local_pipeline(embedded_dir, "split", http=True) as pipe:

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.engine.host.auth import SECRET_ENV
+from pdserve.rpc.auth import SECRET_ENV
 from pdserve.router.backends import MAX_MIGRATIONS
 from pdserve.router.client import Client, make_request
 from pdserve.v1 import generate_pb2 as PB

@@ -145,7 +145,7 @@ async def test_smollm2_chat_prompts_match_transformers(smollm2_dir, placement):
 async def test_chunked_prefill_and_prefix_reuse_match_transformers(embedded_dir, placement, budget):
     """Budgets that cut prompts at block boundaries (16 = block_size) and off them (37), with
     decodes running beside the chunks; then the same prompts again, served from the prefix cache."""
-    from pdserve.engine.host.auth import internal_channel
+    from pdserve.rpc.auth import internal_channel
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     tok = Tokenizer.from_folder(embedded_dir)

@@ -279,7 +279,7 @@ def _other_weights(src, dst):
 async def test_same_shapes_other_weights_are_refused_at_start_and_per_payload(embedded_dir, tmp_path):
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
-    import pdserve.router.server as router
+    import pdserve.router.grpc_api as router
     from pdserve.engine.config import EngineConfig
 
     other = _other_weights(embedded_dir, tmp_path / "other")

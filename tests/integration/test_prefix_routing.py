@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from pdserve.engine.host.auth import internal_channel
+from pdserve.rpc.auth import internal_channel
 from pdserve.router.client import Client, make_request
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import hf_greedy

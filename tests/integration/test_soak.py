@@ -9,7 +9,7 @@ pytest.importorskip("ray")
 
 
 def test_small_soak_with_a_decode_worker_kill():
-    from pdserve.cluster.soak import run_soak, summary_lines
+    from pdserve.soak.trace_soak import run_soak, summary_lines
 
     s = run_soak("embedded", num_requests=100, rate=10.0, kills=("decode",), seed=1)
     report = "\n".join(summary_lines(s))
@@ -24,7 +24,7 @@ def test_overload_phase_refuses_at_once_and_completes_the_rest():
     """Twice the measured capacity of 2 + 2 workers, each decode worker bounded to 4 requests: the
     requests past the bound are refused at once (RESOURCE_EXHAUSTED), every other one completes
     with the right tokens; nothing hangs and no KV block stays used."""
-    from pdserve.cluster.overload import overload_lines, overload_ok, run_overload
+    from pdserve.soak.overload import overload_lines, overload_ok, run_overload
 
     s = run_overload("embedded", seconds=8.0, factor=2.0, max_requests_per_worker=4, seed=2)
     report = "\n".join(overload_lines(s))

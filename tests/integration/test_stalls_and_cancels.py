@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-import pdserve.router.core as router_core
+import pdserve.router.frontend as router_core
 from pdserve.router.validation import validate
 
 from pdserve.router.client import Client, make_request
@@ -42,7 +42,7 @@ async def test_a_stream_without_tokens_past_the_bound_is_logged_counted_and_reco
             return step()
 
         engine.step = slow_step
-        caplog.set_level(logging.WARNING, logger="pdserve.router.core")
+        caplog.set_level(logging.WARNING, logger="pdserve.router.frontend")
         task = asyncio.create_task(client.generate(make_request("tell me", max_tokens=40, ignore_eos=True,
                                                                 request_id="slow-one")))
         seen_gauge = 0.0
@@ -117,7 +117,7 @@ async def test_a_failed_worker_call_names_no_internal_address(embedded_dir, capl
         decode = pipe.workers[1]
         port = decode.address.rsplit(":", 1)[1]
         await decode.stop()
-        caplog.set_level(logging.WARNING, logger="pdserve.router.core")
+        caplog.set_level(logging.WARNING, logger="pdserve.router.frontend")
         pipe.router.core.pool.workers[1].healthy = True  # as if its death were not noticed yet
         try:
             res = await client.generate(make_request("hello", max_tokens=4), timeout=30)

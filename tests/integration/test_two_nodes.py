@@ -1,11 +1,11 @@
 """Two Ray nodes, for real: a Ray head and a Ray worker node in two network namespaces joined by a veth
-pair (``pdserve.cluster.netns``; Ray token auth on both), and ``pdserve serve --address HEAD:6379``
+pair (``pdserve.soak.netns``; Ray token auth on both), and ``pdserve serve --address HEAD:6379``
 with prefill pinned to the head and decode to the worker node, so every KV cache crosses the link.
 
 Greedy output equals the transformers reference; a cross-node internal call (worker stats) without
 the cluster secret is UNAUTHENTICATED and with it answers (the KV pushes carry it too, or no output
 would come back); after the remote decode worker's process is SIGKILLed, new requests succeed again
-within 30 s. Link faults between the nodes (``pdserve.cluster.link_chaos``: a slow link, loss,
+within 30 s. Link faults between the nodes (``pdserve.soak.link_chaos``: a slow link, loss,
 delay where netem exists, cuts of 5, 15 and 35 s while KV is in flight): every request ends with
 its tokens or a clear error within its bound, none hangs, no KV block leaks (``pytest -s`` prints
 the table). A call on a connection its server dropped during a cut ends within the keepalive bound
@@ -40,13 +40,13 @@ CLIENT_TIMEOUT_S = 90.0
 RECOVERY_S = 30.0
 MAX_TOKENS = 16
 PROBE_PORT, PROBE_CUT_S = 50_051, 25.0
-PROBE_BOUND_S = 35.0  # keepalive: a ping every 10 s, answered within 20 s (engine/host/serving.py), and slack
+PROBE_BOUND_S = 35.0  # keepalive: a ping every 10 s, answered within 20 s (rpc/server.py), and slack
 PROMPTS = mixed_prompts()[:7]  # a few tokens up to a few hundred, English and Chinese
 
 
 @pytest.fixture(scope="module")
 def nodes():
-    from pdserve.cluster.netns import NetnsUnavailable, make_namespaces, start_ray_nodes
+    from pdserve.soak.netns import NetnsUnavailable, make_namespaces, start_ray_nodes
 
     try:
         made = make_namespaces()
@@ -61,7 +61,7 @@ def nodes():
 
 def _serve(nodes, model: str, secret: str):
     """``pdserve serve`` (float32) in the head's namespace."""
-    from pdserve.cluster.link_chaos import ServeOnTwoNodes
+    from pdserve.soak.link_chaos import ServeOnTwoNodes
 
     env = nodes.env(PDSERVE_CLUSTER_SECRET=secret)
     env.pop("PDSERVE_API_KEY", None)
@@ -130,7 +130,7 @@ def test_role_resources_pin_split_roles_only():
 
 
 def test_link_shapes_and_the_loss_filter():
-    from pdserve.cluster.link_faults import LinkShape, loss_bytecode
+    from pdserve.soak.link_faults import LinkShape, loss_bytecode
 
     assert loss_bytecode(0) == "4,32 0 0 4294963256,53 1 0 0,6 0 0 4294967295,6 0 0 0"  # never matches
     assert loss_bytecode(100).split(",")[2] == "53 1 0 4294967295"  # matches all but one value in 2**32
@@ -142,7 +142,7 @@ def test_link_shapes_and_the_loss_filter():
 
 
 def test_link_chaos_checks_flag_hangs_late_ends_errors_and_leaks():
-    from pdserve.cluster.link_chaos import problems, table_lines
+    from pdserve.soak.link_chaos import problems, table_lines
 
     ok = {"fault": "cut-35s (...)", "name": "cut-35s", "requests": 2, "bound_s": 95.0, "how": "htb+bpf",
           "completed": 1, "hung": 0, "errors": {"UNAVAILABLE": 1}, "migrated": 1, "max_end_s": 40.0,
@@ -157,7 +157,7 @@ def test_link_chaos_checks_flag_hangs_late_ends_errors_and_leaks():
 
 
 def test_two_node_soak_makes_its_own_cluster(capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     assert main(["soak", "--two-nodes", "--address", "10.0.0.1:6379"]) == 2
     assert "--two-nodes makes its own Ray cluster" in capsys.readouterr().err
@@ -165,8 +165,8 @@ def test_two_node_soak_makes_its_own_cluster(capsys):
 
 @pytest.mark.timeout(900)
 def test_link_faults_between_prefill_and_decode(nodes):
-    """One serve, every case of pdserve.cluster.link_chaos in turn; prints the table."""
-    from pdserve.cluster.link_chaos import CASES, problems, run_link_chaos, table_lines
+    """One serve, every case of pdserve.soak.link_chaos in turn; prints the table."""
+    from pdserve.soak.link_chaos import CASES, problems, run_link_chaos, table_lines
 
     rows, log = run_link_chaos(nodes, list(CASES.values()))
     print("\n" + "\n".join(table_lines(rows)))
@@ -184,7 +184,7 @@ def test_a_call_on_a_connection_dropped_during_a_cut_ends(nodes):
     server's side of the connection gives up after 20 s of unacknowledged data (gRPC sets
     TCP_USER_TIMEOUT); the caller, which sends nothing, only learns it through keepalive pings,
     so the call must end UNAVAILABLE within keepalive's 30 s of the cut, not at its 90 s deadline."""
-    from pdserve.cluster.link_faults import set_link
+    from pdserve.soak.link_faults import set_link
 
     address = f"{nodes.worker_ip}:{PROBE_PORT}"
     server = nodes.popen(nodes.worker_ns, [sys.executable, str(PROBE), "serve", address],

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import generate_pb2
-from pdserve.router.metrics import RouterMetrics, worker_labels
+from pdserve.router.prometheus import RouterMetrics, worker_labels
 from pdserve.router.pool import WorkerHandle, WorkerPool
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
@@ -55,7 +55,7 @@ def test_workers_are_labelled_by_role_and_index_never_by_address():
     ws = [WorkerHandle(role, f"10.0.0.{i}:5000{i}", channel=None)
           for i, role in enumerate(("prefill", "decode", "prefill", "decode", "decode"))]
     assert worker_labels(ws) == ["prefill-0", "decode-0", "prefill-1", "decode-1", "decode-2"]
-    assert worker_labels([WorkerHandle("both", "10.0.0.9:1", channel=None)] * 2) == ["both-0", "both-1"]
+    assert worker_labels([WorkerHandle("colocated", "10.0.0.9:1", channel=None)] * 2) == ["colocated-0", "colocated-1"]
 
 
 async def test_a_replacement_worker_keeps_the_label_of_the_one_it_replaces():

@@ -7,10 +7,10 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.router.core import RouterCore
+from pdserve.router.frontend import Frontend
 from pdserve.router.openai_api import build_app
 from pdserve.router.pool import WorkerPool
-from pdserve.router.server import RouterServicer
+from pdserve.router.grpc_api import RouterServicer
 from pdserve.router.validation import MAX_STOP_CHARS
 from pdserve.v1 import generate_pb2 as PB
 from pdserve.v1 import generate_pb2_grpc
@@ -22,7 +22,7 @@ CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
 @pytest.fixture
 async def core(embedded_dir):
     pool = WorkerPool([], [], ["127.0.0.1:9"])  # never called
-    yield RouterCore(embedded_dir, pool, MAX_MODEL_LEN, model_name="test-model")
+    yield Frontend(embedded_dir, pool, MAX_MODEL_LEN, model_name="test-model")
     await pool.close()
 
 

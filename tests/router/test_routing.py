@@ -19,7 +19,7 @@ def conversation(turn: int) -> list[int]:
 
 def make_pool(routing: str = "prefix-aware", n: int = 2, role: str = "prefill") -> WorkerPool:
     addrs = [f"127.0.0.1:{9000 + i}" for i in range(n)]
-    if role == "both":
+    if role == "colocated":
         return WorkerPool([], [], addrs, routing=routing)
     return WorkerPool(addrs if role == "prefill" else ["127.0.0.1:8999"], addrs if role == "decode" else
                       ["127.0.0.1:8998"], [], routing=routing)
@@ -52,7 +52,7 @@ async def test_least_loaded_ignores_the_prefix() -> None:
 
 
 async def test_colocated_follows_the_prefix_too() -> None:
-    pool = make_pool(role="both")
+    pool = make_pool(role="colocated")
     p = conversation(2)
     w = pool.pick_colocated(len(p), pool.prefix_of(p))
     pool.served(w, p)

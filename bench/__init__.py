@@ -1,1 +1,0 @@
-"""Load-testing tools: request records, serving metrics and plots (no torch, no ray)."""

@@ -1,1 +1,0 @@
-"""The worker host: serves one engine over gRPC (loop thread, servicer plumbing, entry point)."""

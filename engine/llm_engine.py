@@ -1,0 +1,251 @@
+"""The engine: scheduler + block manager + model runner behind a small step API.
+
+Roles compose it (see prefill_worker/ and decode_worker/): a prefill worker adds requests and
+takes each sequence out with ``extract_kv`` right after its prefill step; a decode worker admits
+sequences with ``admit_kv`` and runs decode steps; a colocated worker does both in one loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.loader import resolve_model_dir, weights_hash
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.prefix_hash import prefix_hashes
+from pdserve.engine.scheduling.scheduler import Scheduler
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence
+from pdserve.engine.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class KvCacheFullError(RuntimeError):
+    """The paged KV cache has too few free blocks for a request right now (retry later)."""
+
+
+class StepError(RuntimeError):
+    """A model step failed; ``seqs`` were finished with ERROR and freed."""
+
+    def __init__(self, cause: Exception, seqs: list[Sequence]) -> None:
+        super().__init__(f"model step failed: {cause!r}")
+        self.seqs = seqs
+
+
+@dataclass
+class StepOutput:
+    """A token sampled for ``seq`` in one step. ``prefill`` is True for the first token after a prefill."""
+
+    seq: Sequence
+    token: int
+    prefill: bool
+
+
+class LLMEngine:
+    """Single-process engine. Not thread-safe: drive it from one thread (see ``EngineLoop``)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.torch_threads and cfg.device == "cpu":
+            torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.model_dir: Path = resolve_model_dir(cfg.model)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.runner = ModelRunner(cfg, self.model_dir)
+        self.model_cfg = self.runner.model_cfg
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.token_budget, cfg.enable_chunked_prefill,
+                                   None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
+        if not cfg.enable_chunked_prefill:
+            log.info("scheduling: prefill-first, up to %d prompt tokens a prefill step", cfg.token_budget)
+        elif cfg.target_itl_ms is None:
+            log.info("scheduling: chunked prefill, %d tokens a step", cfg.token_budget)
+        else:
+            log.info("scheduling: chunked prefill, chunks sized to %g ms steps, at most %d tokens a step",
+                     cfg.target_itl_ms, cfg.token_budget)
+        self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
+        max_pos = self.model_cfg.max_position_embeddings
+        if cfg.max_model_len and cfg.max_model_len > max_pos:
+            log.warning("max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len,
+                        max_pos, max_pos)
+        self.max_model_len = min(cfg.max_model_len or max_pos, max_pos)
+        mc = self.model_cfg
+        self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                            self.runner.dtype_name, cfg.block_size,
+                                            self.tokenizer.content_hash, weights_hash(self.model_dir))
+        self._digest = self.fingerprint.digest()
+        self._pinned: dict[str, Sequence] = {}  # request id -> prefix held for its coming KV (pin_prefix)
+
+    # -- requests -------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """ValueError with a readable message when the request can never run on this engine."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if n + sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                             f"context window of {self.max_model_len} tokens")
+        if self.blocks.blocks_for(n + sampling.max_tokens) > self.blocks.num_blocks:
+            raise ValueError(f"request needs {self.blocks.blocks_for(n + sampling.max_tokens)} KV blocks; "
+                             f"the cache has {self.blocks.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
+        """Queue a prompt for prefill (ValueError as in ``check_request``)."""
+        self.check_request(prompt_token_ids, sampling)
+        seq = Sequence.new(request_id, prompt_token_ids, sampling, self.eos_token_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def pin_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Hold the longest cached prefix of ``token_ids`` for a KV payload yet to come, so that its
+        sender can leave those positions out (``KvPayload.kv_start``). Returns its length in tokens
+        (0 without prefix caching or a cached prefix); ``unpin`` or ``admit_kv`` releases it."""
+        self.unpin(request_id)
+        seq = Sequence.new(request_id, token_ids, SamplingParams(), self.eos_token_ids)
+        cached = self.blocks.match_prefix(seq)
+        if cached:
+            self._pinned[request_id] = seq
+        return cached
+
+    def unpin(self, request_id: str) -> None:
+        """Release a prefix held by ``pin_prefix`` (no-op when none is)."""
+        seq = self._pinned.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+    def admit_kv(self, payload: KvPayload, preempt: bool = False) -> Sequence:
+        """Place a prefilled sequence (prompt KV + first token) into the running batch.
+
+        ``payload.kv``: [num_layers, 2, num_prompt_tokens - kv_start, num_kv_heads, head_dim]; with
+        ``kv_start`` > 0 the positions before it come from the prefix ``pin_prefix`` held.
+        Raises ValueError when the request can never fit or the prefix held for it is not the
+        payload's, and KvCacheFullError when blocks are short now (the prefix stays held for a
+        retry), unless ``preempt``: then running sequences holding the most blocks are preempted
+        (recomputed here later) until it fits. Sequences waiting here to be recomputed or
+        prefilled go first: while any waits, a payload is admitted only by ``preempt``.
+        """
+        sampling = SamplingParams.from_dict(payload.sampling)
+        self.check_request(payload.token_ids, sampling)
+        rid, k = payload.request_id, payload.kv_start
+        kb = k // self.cfg.block_size
+        held = self._pinned.get(rid)
+        if k and (held is None or held.token_ids[:k] != list(payload.token_ids[:k])
+                  or held.block_hashes[:kb] != list(payload.prefix_hashes) or len(held.block_table) < kb):
+            raise ValueError(f"request {rid}: its KV starts at position {k}, but this worker holds no such "
+                             f"prefix for it")
+        seq = Sequence.new(rid, payload.token_ids, sampling, self.eos_token_ids)
+        seq.token_ids.append(payload.first_token)
+        need = self.blocks.blocks_for(seq.num_tokens) - kb
+        if preempt:
+            self.scheduler.preempt_for(need)
+        if need > self.blocks.num_free or (self.scheduler.waiting and not preempt):
+            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks and {len(self.scheduler.waiting)} "
+                                   f"sequences waiting for some; request {rid} needs {need}")
+        if k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
+            del self._pinned[rid]
+            seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]
+            seq.block_hashes = held.block_hashes[:kb]
+            self.blocks.free(held)
+            seq.num_cached_tokens = k
+        else:
+            self.unpin(rid)
+        self.blocks.grow(seq, seq.num_tokens)
+        self.runner.write_kv(seq, payload.kv, k)
+        self.scheduler.admit_running(seq)
+        self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
+        return seq
+
+    def extract_kv(self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None,
+                   skip_tokens: int = 0) -> KvPayload:
+        """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
+        token; only from ``skip_tokens`` on, rounded down to whole blocks, when the receiver holds
+        the positions before) and the last token as ``first_token``. Frees its blocks. ``alloc``:
+        see ``ModelRunner.read_kv``."""
+        n, bs = seq.num_tokens - 1, self.cfg.block_size
+        start = min(skip_tokens, n - 1) // bs * bs
+        kv = self.runner.read_kv(seq, n, alloc, start)
+        payload = KvPayload(seq.request_id, self.fingerprint, seq.token_ids[:-1], seq.token_ids[-1],
+                            seq.sampling.to_dict(), kv, kv_start=start,
+                            prefix_hashes=prefix_hashes(seq.token_ids[:start], bs))
+        self.scheduler.finish(seq)
+        return payload
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a waiting or running request and free its blocks; returns it, or None if unknown."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return seq
+
+    # -- stepping -------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one model step (prefill chunks and decode tokens, see ``Scheduler``). Returns a
+        token for each sequence that sampled one; finished sequences leave the engine and free
+        their blocks.
+
+        If the forward pass raises, every sequence of the batch is finished with ERROR and freed,
+        and StepError (carrying them) is raised.
+        """
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.monotonic_ns()
+        for s in batch.seqs:
+            if not s.prefill_start_ns:
+                s.prefill_start_ns = now
+        try:
+            tokens = self.runner.run(batch)
+        except Exception as exc:
+            for s in batch.seqs:
+                self.scheduler.finish(s, FinishReason.ERROR)
+            raise StepError(exc, batch.seqs) from exc
+        done = time.monotonic_ns()
+        self.scheduler.observe_step(batch, (done - now) / 1e9)
+        outputs = []
+        for c in self.scheduler.complete(batch, tokens):
+            if c.token is None:
+                continue
+            if c.prefill:
+                c.seq.prefill_end_ns = done
+            outputs.append(StepOutput(c.seq, c.token, c.prefill))
+        return outputs
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Offline batch generation (all prompts at once); returns the output ids per prompt."""
+        seqs = [self.add_request(f"offline-{i}", p, sampling) for i, p in enumerate(prompts)]
+        while self.has_work():
+            self.step()
+        return [s.output_token_ids for s in seqs]
+
+    def stats(self) -> dict[str, int]:
+        """Queue lengths and KV block occupancy.
+
+        Safe to call from any thread while the engine steps (reads snapshots, never waits for a
+        step), so load reports stay fast during long prefills; the values may be one step old.
+        """
+        s = self.scheduler
+        waiting = list(s.waiting)  # atomic copy under the GIL
+        return {
+            "num_waiting": len(waiting), "num_running": len(s.running),
+            "used_kv_blocks": self.blocks.num_used, "free_kv_blocks": self.blocks.num_free,
+            "block_size": self.cfg.block_size, "model_fingerprint": self._digest,
+            "outstanding_prefill_tokens": sum(q.num_tokens for q in waiting),
+            "cached_kv_blocks": self.blocks.num_cached,
+            "prefix_query_tokens": s.num_prompt_tokens_admitted,
+            "prefix_hit_tokens": s.num_cached_tokens_admitted,
+        }

@@ -1,0 +1,263 @@
+"""Serving metrics on synthetic timestamps (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.loadgen.metrics import SLO, RequestRecord, percentile, run_duration, stats, summarize
+
+
+def rec(tokens, sent=0.0, *, finish="stop", error="", prompt=10, index=0, **kw) -> RequestRecord:
+    return RequestRecord(index=index, request_id=f"r{index}", scheduled_s=sent, sent_s=sent,
+                         prompt_tokens=prompt, max_tokens=max(len(tokens), 1), token_times_s=list(tokens),
+                         finish_reason=finish, error=error, **kw)
+
+
+def test_basic_latencies_exclude_first_token_from_tpot():
+    r = rec([0.5, 0.6, 0.8, 1.1])
+    assert r.output_tokens == 4
+    assert r.ttft_s == pytest.approx(0.5)
+    assert r.e2e_s == pytest.approx(1.1)
+    assert r.tpot_s == pytest.approx(0.2)  # (1.1 - 0.5) / 3, not 1.1 / 4
+    assert r.itl_s == pytest.approx([0.1, 0.2, 0.3])
+    assert r.ok
+
+
+def test_latencies_are_relative_to_sent_not_scheduled():
+    r = RequestRecord(0, "a", scheduled_s=1.0, sent_s=1.25, prompt_tokens=3, max_tokens=2,
+                      token_times_s=[2.0, 2.5], finish_reason="length")
+    assert r.ttft_s == pytest.approx(0.75)
+    assert r.e2e_s == pytest.approx(1.25)
+    assert r.tpot_s == pytest.approx(0.5)
+    assert r.ok
+
+
+def test_single_token_request_has_no_tpot_but_meets_tpot_slo():
+    r = rec([0.3])
+    assert r.ttft_s == pytest.approx(0.3) and r.e2e_s == pytest.approx(0.3)
+    assert math.isnan(r.tpot_s)
+    assert r.itl_s == []
+    assert SLO(ttft_s=0.5, tpot_s=0.001).met(r)
+    assert not SLO(ttft_s=0.2, tpot_s=0.001).met(r)
+
+
+def test_no_tokens_gives_nan_and_misses_slo():
+    r = rec([], finish="")
+    assert r.output_tokens == 0 and not r.ok
+    assert math.isnan(r.ttft_s) and math.isnan(r.e2e_s) and math.isnan(r.tpot_s)
+    assert r.itl_s == []
+    assert not SLO(10.0, 10.0).met(r)
+    # an ok finish without tokens is still not a TTFT hit (nan never meets a limit)
+    assert not SLO(10.0, 10.0).met(rec([], finish="stop"))
+
+
+def test_tokens_sharing_an_arrival_time_give_zero_gaps():
+    r = rec([0.2, 0.2, 0.2, 0.5, 0.5])
+    assert r.itl_s == pytest.approx([0.0, 0.0, 0.3, 0.0])
+    assert len(r.itl_s) == r.output_tokens - 1
+    assert r.tpot_s == pytest.approx(0.3 / 4)
+
+
+@pytest.mark.parametrize("finish,error,ok", [
+    ("stop", "", True), ("length", "", True), ("abort", "", False), ("error", "", False),
+    ("", "", False), ("stop", "connection reset", False),
+])
+def test_ok_definition(finish, error, ok):
+    assert rec([0.1, 0.2], finish=finish, error=error).ok is ok
+
+
+def test_slo_boundaries_are_inclusive():
+    r = rec([0.5, 0.7, 0.9])  # ttft .5, tpot .2
+    assert SLO(0.5, 0.2 + 1e-12).met(r)
+    assert not SLO(0.5 - 1e-9, 1.0).met(r)
+    assert not SLO(1.0, 0.2 - 1e-9).met(r)
+
+
+def test_percentile_matches_numpy_linear_interpolation():
+    rng = np.random.default_rng(7)
+    data = rng.exponential(0.2, size=257)
+    for p in (0, 1, 25, 50, 90, 99, 99.9, 100):
+        assert percentile(list(data), p) == pytest.approx(float(np.percentile(data, p)), rel=0, abs=1e-15)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+
+
+def test_percentile_ignores_nan_and_empty_is_nan():
+    assert percentile([1.0, math.nan, 3.0], 50) == pytest.approx(2.0)
+    assert math.isnan(percentile([], 50))
+    assert math.isnan(percentile([math.nan, math.nan], 50))
+
+
+def test_stats_ignore_nan():
+    s = stats([4.0, math.nan, 1.0, 2.0, 3.0])
+    assert s["count"] == 4
+    assert s["mean"] == pytest.approx(2.5)
+    assert s["min"] == 1.0 and s["max"] == 4.0
+    assert s["p50"] == pytest.approx(2.5)
+    assert s["p90"] == pytest.approx(float(np.percentile([1, 2, 3, 4], 90)))
+    assert s["p99"] == pytest.approx(float(np.percentile([1, 2, 3, 4], 99)))
+    empty = stats([math.nan])
+    assert empty["count"] == 0 and set(empty) == {"mean", "p50", "p90", "p99", "min", "max", "count"}
+    assert all(math.isnan(empty[k]) for k in ("mean", "p50", "p90", "p99", "min", "max"))
+
+
+def test_failed_requests_excluded_from_latency_but_counted_as_slo_misses():
+    good = rec([0.1, 0.2, 0.3], index=0)
+    slow_failed = rec([5.0, 9.0], index=1, finish="abort")
+    errored = rec([0.1], index=2, finish="error", error="boom")
+    s = summarize([good, slow_failed, errored], slo=SLO(1.0, 1.0), duration_s=2.0)
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 1, 2)
+    assert s["ttft_s"]["count"] == 1 and s["ttft_s"]["max"] == pytest.approx(0.1)
+    assert s["e2e_s"]["max"] == pytest.approx(0.3)
+    assert s["itl_s"]["count"] == 2
+    assert s["slo_attainment"] == pytest.approx(1 / 3)
+    assert s["goodput"] == pytest.approx(0.5)
+
+
+def test_goodput_requires_both_slos():
+    slo = SLO(ttft_s=0.5, tpot_s=0.1)
+    records = [
+        rec([0.2, 0.25, 0.3], index=0),          # meets both
+        rec([0.4, 0.45], index=1),               # meets both
+        rec([0.3], index=2),                     # meets both (single token)
+        rec([0.9, 0.95, 1.0], index=3),          # misses TTFT only
+        rec([0.6], index=4),                     # misses TTFT only (single token)
+        rec([0.1, 0.4, 0.7], index=5),           # misses TPOT only
+        rec([0.2, 0.2, 0.9], index=6),           # misses TPOT only (tpot .35)
+        rec([1.0, 1.5, 2.0], index=7),           # misses both
+        rec([0.1, 0.15], index=8, finish="abort"),  # would meet both but failed
+    ]
+    assert [slo.met(r) for r in records] == [True, True, True] + [False] * 6
+    s = summarize(records, slo=slo, duration_s=4.0)
+    assert s["slo"] == {"ttft_s": 0.5, "tpot_s": 0.1}
+    assert s["goodput"] == pytest.approx(3 / 4.0)
+    assert s["slo_attainment"] == pytest.approx(3 / 9)
+    assert s["request_throughput"] == pytest.approx(8 / 4.0)
+    # default duration: first send (0) .. last token (2.0)
+    s2 = summarize(records, slo=slo)
+    assert s2["duration_s"] == pytest.approx(2.0)
+    assert s2["goodput"] == pytest.approx(1.5)
+
+
+def test_throughput_math_and_default_duration():
+    records = [
+        rec([1.5, 2.0, 2.5], sent=1.0, prompt=100, index=0),
+        rec([2.0, 4.0], sent=1.5, prompt=50, index=1, finish="length"),
+        rec([3.0, 7.0], sent=2.0, prompt=1000, index=2, finish="error", error="x"),  # counts for duration only
+    ]
+    assert run_duration(records) == pytest.approx(6.0)
+    s = summarize(records)
+    assert s["duration_s"] == pytest.approx(6.0)
+    assert s["request_throughput"] == pytest.approx(2 / 6.0)
+    assert s["output_token_throughput"] == pytest.approx(5 / 6.0)
+    assert s["total_token_throughput"] == pytest.approx(155 / 6.0)
+    assert "goodput" not in s and "slo_attainment" not in s and "slo" not in s
+    s = summarize(records, duration_s=10.0)
+    assert s["output_token_throughput"] == pytest.approx(0.5)
+
+
+def test_breakdown_means_over_ok_requests():
+    records = [
+        rec([0.1, 0.2], index=0, queue_s=0.01, prefill_s=0.1, kv_transfer_s=0.02, decode_s=0.5),
+        rec([0.1, 0.2], index=1, queue_s=0.03, prefill_s=0.3, kv_transfer_s=0.04, decode_s=0.7),
+        rec([0.1, 0.2], index=2, finish="abort", queue_s=9.0, prefill_s=9.0, kv_transfer_s=9.0, decode_s=9.0),
+    ]
+    b = summarize(records)["breakdown_s"]
+    assert b == pytest.approx({"queue": 0.02, "prefill": 0.2, "kv_transfer": 0.03, "decode": 0.6})
+
+
+def test_degenerate_runs_give_nan_not_errors():
+    s = summarize([])
+    assert (s["requests"], s["completed"], s["failed"]) == (0, 0, 0)
+    assert math.isnan(s["duration_s"]) and math.isnan(s["request_throughput"])
+    s = summarize([], slo=SLO(1, 1))
+    assert math.isnan(s["slo_attainment"]) and math.isnan(s["goodput"])
+    failed = [rec([], finish="error", error="refused", index=i) for i in range(3)]
+    s = summarize(failed, slo=SLO(1, 1))
+    assert s["failed"] == 3 and s["ttft_s"]["count"] == 0 and math.isnan(s["ttft_s"]["p90"])
+    # nothing ran to completion: duration is undefined, but throughput and goodput are plainly 0
+    assert math.isnan(s["duration_s"])
+    assert s["slo_attainment"] == 0.0 and s["goodput"] == 0.0 and s["request_throughput"] == 0.0
+    assert s["output_token_throughput"] == 0.0
+    assert all(math.isnan(v) for v in s["breakdown_s"].values())
+    # all tokens at the send instant: zero duration -> nan throughput, not ZeroDivisionError
+    s = summarize([rec([0.0], sent=0.0)], slo=SLO(1, 1))
+    assert s["duration_s"] == 0.0 and math.isnan(s["request_throughput"]) and math.isnan(s["goodput"])
+    assert s["slo_attainment"] == 1.0
+
+
+def test_to_json_round_trip_has_no_nan_tokens():
+    r = rec([0.3], index=4, finish="length", queue_s=0.01, prefill_s=0.02)
+    d = r.to_json()
+    text = json.dumps(d, allow_nan=False)
+    assert "NaN" not in text and "Infinity" not in text
+    back = json.loads(text)
+    assert back["tpot_s"] is None
+    assert back["ttft_s"] == pytest.approx(0.3) and back["e2e_s"] == pytest.approx(0.3)
+    assert back["itl_s"] == [] and back["output_tokens"] == 1 and back["ok"] is True
+    for key in ("index", "request_id", "scheduled_s", "sent_s", "prompt_tokens", "max_tokens", "token_times_s",
+                "finish_reason", "error", "queue_s", "prefill_s", "kv_transfer_s", "decode_s"):
+        assert back[key] == getattr(r, key), key
+    assert RequestRecord.from_json(back) == r
+
+    full = rec([0.5, 0.6, 0.8, 1.1]).to_json()
+    assert json.loads(json.dumps(full, allow_nan=False))["tpot_s"] == pytest.approx(0.2)
+    assert full["itl_s"] == pytest.approx([0.1, 0.2, 0.3])
+    empty = json.loads(json.dumps(rec([], finish="").to_json(), allow_nan=False))
+    assert empty["ttft_s"] is None and empty["e2e_s"] is None and empty["ok"] is False
+
+
+def test_summary_json_safe():
+    from pdserve.loadgen.metrics import json_safe
+
+    s = summarize([rec([], finish="error", error="x")], slo=SLO(1, 1))
+    text = json.dumps(json_safe(s), allow_nan=False)
+    assert json.loads(text)["ttft_s"]["p90"] is None
+
+
+def test_bench_never_imports_torch_or_ray():
+    code = ("import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots; "
+            "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))
+
+
+def test_prefix_cache_report_takes_deltas_per_worker():
+    from pdserve.loadgen.metrics import WorkerPrefixCounters as W, format_prefix_cache, json_safe, prefix_cache_report
+
+    before = [W("prefill", "a:1", 1000, 200), W("decode", "b:2", 0, 0), W("prefill", "c:3", 500, 400)]
+    after = [W("prefill", "a:1", 3000, 1200), W("decode", "b:2", 0, 0), W("prefill", "c:3", 100, 50),
+             W("prefill", "d:4", 400, 100)]  # c restarted during the run, d replaced a worker
+    report = prefix_cache_report(before, after)
+    assert [(w["address"], w["query_tokens"], w["hit_tokens"]) for w in report["workers"]] == \
+        [("a:1", 2000, 1000), ("b:2", 0, 0), ("c:3", 100, 50), ("d:4", 400, 100)]
+    assert [w["hit_rate"] for w in report["workers"]][::2] == [0.5, 0.5]
+    assert math.isnan(report["workers"][1]["hit_rate"])  # a decode worker admits no prompt
+    assert (report["query_tokens"], report["hit_tokens"], report["hit_rate"]) == (2500, 1150, 0.46)
+    lines = format_prefix_cache(report).splitlines()
+    assert lines[1:3] == ["  prefill a:1: 50.0% (1,000 / 2,000)", "  decode b:2: n/a"]
+    assert lines[-1] == "  all workers: 46.0% (1,150 / 2,500)"
+    assert json.loads(json.dumps(json_safe(report), allow_nan=False))["workers"][1]["hit_rate"] is None
+
+
+def test_prefix_cache_report_without_counters_is_na():
+    from pdserve.loadgen.metrics import WorkerPrefixCounters as W, format_prefix_cache, prefix_cache_report
+
+    assert prefix_cache_report(None, None) is None
+    assert prefix_cache_report([W("colocated", "a:1", 0, 0)], None) is None
+    assert format_prefix_cache(None).startswith("prefix cache hit rate: n/a")
+
+
+def test_summary_counts_kv_moved_and_decode_side_prefills_of_completed_requests():
+    a, b, failed = rec([0.1, 0.2], index=0), rec([0.1, 0.2], index=1), rec([0.1], index=2)
+    a.kv_transfer_bytes, a.cached_prompt_tokens = 4096, 32
+    b.prefilled_on_decode, b.cached_prompt_tokens = True, 16
+    failed.kv_transfer_bytes, failed.error = 999, "boom"
+    s = summarize([a, b, failed])
+    assert (s["kv_transfer_bytes"], s["prefilled_on_decode"], s["cached_prompt_tokens"]) == (4096, 1, 48)
+    assert RequestRecord.from_json(json.loads(json.dumps(b.to_json()))).prefilled_on_decode

@@ -1,0 +1,201 @@
+"""Pieces every worker role composes: token events, the WorkerService servicer, stream relay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import grpc
+
+from pdserve.engine.llm_engine import LLMEngine, StepError, StepOutput
+from pdserve.worker.loop import EngineLoop
+from pdserve.worker.streams import RequestStreams, drain
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence
+from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+FINISH_TO_PROTO = {
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class TokenEvent:
+    """A sampled token; ``finish`` is set when it is the last one."""
+
+    token: int
+    finish: FinishReason | None
+    seq: Sequence
+    at_ns: int
+
+
+@dataclass
+class ErrorEvent:
+    """The request failed inside the engine."""
+
+    message: str
+
+
+def sampling_from_proto(s: worker_pb2.ResolvedSampling) -> SamplingParams:
+    """ValueError (readable) for invalid values."""
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                          max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, step_offset=s.step_offset)
+
+
+def publish_outputs(streams: RequestStreams, outputs: list[StepOutput]) -> None:
+    """Engine-thread callback: one TokenEvent per output into its request's stream."""
+    now = time.monotonic_ns()
+    for out in outputs:
+        streams.put(out.seq.request_id, TokenEvent(out.token, out.seq.finish_reason, out.seq, now))
+
+
+def publish_step_error(streams: RequestStreams, err: StepError) -> None:
+    """Engine-thread callback: fail every request of the failed step."""
+    for seq in err.seqs:
+        streams.put(seq.request_id, ErrorEvent(str(err)))
+
+
+async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
+                       final_timings: Callable[[Sequence, int], generate_pb2.Timings]
+                       ) -> AsyncIterator[worker_pb2.TokenBatch]:
+    """Turn a request's events into TokenBatch messages until its last token.
+
+    Tokens already queued are coalesced into one message. ``final_timings(seq, end_ns)`` fills the
+    last message's timings, and the first message's with the phases known by then (queue, prefill,
+    KV transfer; decode so far), so a client that stops reading early (a stop string matched by
+    the router) still has them. An ErrorEvent aborts the RPC with INTERNAL.
+    """
+    first = True
+    while True:
+        events = await drain(q)
+        tokens = []
+        for ev in events:
+            if isinstance(ev, ErrorEvent):
+                await context.abort(grpc.StatusCode.INTERNAL, ev.message)
+            tokens.append(ev.token)
+            if ev.finish is not None:
+                yield worker_pb2.TokenBatch(token_ids=tokens, finish_reason=FINISH_TO_PROTO[ev.finish],
+                                            timings=final_timings(ev.seq, ev.at_ns))
+                return
+        last = events[-1]
+        yield worker_pb2.TokenBatch(token_ids=tokens, timings=final_timings(last.seq, last.at_ns) if first else None)
+        first = False
+
+
+class EngineHost:
+    """An LLMEngine on its own thread (EngineLoop) plus the per-request streams its outputs feed.
+
+    Every role composes one. ``on_outputs`` defaults to publishing each token as a TokenEvent;
+    ``extra_stats()`` adds role-specific WorkerStats fields.
+    """
+
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None] | None = None,
+                 extra_stats: Callable[[], dict] = dict) -> None:
+        self.engine = engine
+        self.loop = EngineLoop(engine, on_outputs or self.publish, self._on_step_error)
+        self.extra_stats = extra_stats
+        self.streams: RequestStreams | None = None
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that serves gRPC."""
+        self.streams = RequestStreams(asyncio.get_running_loop())
+        self.loop.start()
+
+    async def stop(self) -> None:
+        self.loop.stop()
+
+    def publish(self, outputs: list[StepOutput]) -> None:  # engine thread
+        publish_outputs(self.streams, outputs)
+
+    def _on_step_error(self, err: StepError) -> None:  # engine thread
+        publish_step_error(self.streams, err)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """GetStats and Abort for any role. ``extra_stats()`` adds role-specific fields."""
+
+    def __init__(self, role: str, loop: EngineLoop, extra_stats: Callable[[], dict] = dict) -> None:
+        self.role = role
+        self.loop = loop
+        self.extra_stats = extra_stats
+
+    async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
+        # read directly: going through the engine thread would wait out a long prefill step
+        return worker_pb2.WorkerStats(role=self.role, **self.loop.engine.stats(), **self.extra_stats())
+
+    async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
+        seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.abort(request.request_id)))
+        return worker_pb2.WorkerAbortResponse(aborted=seq is not None)
+
+
+async def admit_prompt(host: EngineHost, request, context: grpc.aio.ServicerContext) -> asyncio.Queue:
+    """Queue ``request`` (request_id, prompt_token_ids, sampling) on the engine; returns its event queue.
+
+    Aborts the RPC with INVALID_ARGUMENT (and leaves nothing behind) for bad sampling values, a
+    request id already in flight here, or a prompt the engine can never run.
+    """
+    rid, prompt = request.request_id, list(request.prompt_token_ids)
+    try:
+        sampling = sampling_from_proto(request.sampling)
+        q = host.streams.open(rid)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    try:
+        await asyncio.wrap_future(host.loop.submit(lambda e: e.add_request(rid, prompt, sampling)))
+    except ValueError as exc:
+        host.streams.close(rid)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return q
+
+
+async def submit_quietly(loop: EngineLoop, fn) -> None:
+    """Run ``fn(engine)`` on the engine thread and wait for it; ignores a stopped loop."""
+    try:
+        await asyncio.wrap_future(loop.submit(fn))
+    except RuntimeError:
+        pass
+
+
+async def abort_quietly(loop: EngineLoop, request_id: str) -> None:
+    """Abort a request on the engine (frees its blocks); ignores a stopped loop."""
+    await submit_quietly(loop, lambda e: e.abort(request_id))
+
+
+@dataclass
+class RunningWorker:
+    """A role object served by a started gRPC server at ``address``."""
+
+    worker: object
+    server: grpc.aio.Server
+    address: str
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.server.stop(grace_s)
+        await self.worker.host.stop()
+
+
+async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int,
+                       extra_services: tuple = ()) -> RunningWorker:
+    """Start ``worker.host`` and a gRPC server with the role service + WorkerService (+ any
+    ``extra_services``, (add_servicer, servicer, service name) triples sharing the same engine).
+
+    ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes. With a
+    cluster secret in the environment (``auth.SECRET_ENV``), calls without it are UNAUTHENTICATED.
+    """
+    from pdserve.rpc.auth import cluster_secret, require_cluster_secret
+    from pdserve.rpc.server import start_server
+
+    secret = cluster_secret()
+    worker.host.start()
+    stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)
+    server, bound = await start_server([
+        (add_role_servicer, worker, role_service),
+        *extra_services,
+        (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
+    ], host, port, interceptors=[require_cluster_secret(secret)] if secret else None)
+    return RunningWorker(worker, server, f"{host}:{bound}")
