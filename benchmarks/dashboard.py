@@ -33,8 +33,9 @@ def scrape(url: str) -> Sample:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=5) as r:
         text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
 
 
 def series(scrapes: list[tuple[float, Sample]], name: str) -> dict[frozenset, list[tuple[float, float]]]:
@@ -75,7 +76,9 @@ def quantile(q: float, scrapes, name: str, window: float) -> list[tuple[float, f
                 if bound == float("inf"):
                     out.append((t, prev_bound))
                 else:
-                    out.append((t, prev_bound + (bound - prev_bound) * (rank - prev_count) / max(c - prev_count, 1e-12)))
+                    out.append(
+                        (t, prev_bound + (bound - prev_bound) * (rank - prev_count) / max(c - prev_count, 1e-12))
+                    )
                 break
             prev_bound, prev_count = bound, c
     return out
@@ -111,8 +114,11 @@ def plot(scrapes, out: str, window: float, title: str) -> None:
             for labels, pts in series(scrapes, "pdserve:requests_total").items():
                 draw(ax, rate(pts, window), dict(labels)["finish_reason"])
         elif key in ("ttft", "itl", "e2e"):
-            name = {"ttft": "pdserve:time_to_first_token_seconds", "itl": "pdserve:inter_token_latency_seconds",
-                    "e2e": "pdserve:e2e_request_latency_seconds"}[key]
+            name = {
+                "ttft": "pdserve:time_to_first_token_seconds",
+                "itl": "pdserve:inter_token_latency_seconds",
+                "e2e": "pdserve:e2e_request_latency_seconds",
+            }[key]
             for q in (0.5, 0.9, 0.99):
                 draw(ax, quantile(q, scrapes, name, window), f"p{round(q * 100)}", 1e3)
         elif key == "phases":
@@ -167,8 +173,19 @@ def main() -> int:
     thread = threading.Thread(target=scraper, daemon=True)
     thread.start()
     time.sleep(2 * args.interval)  # an idle baseline before the load
-    cmd = [sys.executable, "-m", "pdserve.cli.main", "bench", "--backend", "openai", "--url", args.url,
-           "--out", "bench_results/dashboard", *bench_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli.main",
+        "bench",
+        "--backend",
+        "openai",
+        "--url",
+        args.url,
+        "--out",
+        "bench_results/dashboard",
+        *bench_args,
+    ]
     rc = subprocess.run(cmd, timeout=1800).returncode
     time.sleep(2 * args.interval)
     done.set()

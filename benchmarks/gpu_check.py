@@ -17,15 +17,22 @@ import sys
 
 import torch
 
+from pdserve.cli.throughput import format_result, median_decode_step_ms, run_throughput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.cli.throughput import format_result, median_decode_step_ms, run_throughput
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 5, 8,",
-           "In a distant galaxy, a small robot", "今天天气很好，我们", "Hello" * 40]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "1, 2, 3, 5, 8,",
+    "In a distant galaxy, a small robot",
+    "今天天气很好，我们",
+    "Hello" * 40,
+]
 LOGIT_TOL = 0.1
 DEVICE = "cuda"  # --device cpu runs the same checks here, as a smoke test of this script
 
@@ -48,13 +55,20 @@ def check_fp32(folder, max_tokens: int = 24) -> bool:
     ok = True
     for p, o in zip(prompts, ours):
         ids = torch.tensor([p], device=DEVICE)
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                          min_new_tokens=max_tokens)[0, len(p):].tolist()
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            min_new_tokens=max_tokens,
+        )[0, len(p) :].tolist()
         if o != ref:
             ok = False
             print(f"  MISMATCH prompt of {len(p)} tokens: ours {o} != transformers {ref}")
-    print(f"fp32 greedy == transformers ({len(prompts)} prompts, {max_tokens} tokens, batched): "
-          f"{'PASS' if ok else 'FAIL'}")
+    print(
+        f"fp32 greedy == transformers ({len(prompts)} prompts, {max_tokens} tokens, batched): "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
     return ok
 
 
@@ -73,8 +87,14 @@ def check_bf16(folder) -> bool:
         pos = torch.arange(len(p), device=DEVICE)
         n, bs = len(p), engine.cfg.block_size
         table = torch.arange(-(-n // bs), dtype=torch.int32, device=DEVICE)[None]  # slots 0..n-1
-        meta = AttentionMetadata(True, pos.clone(), table, torch.tensor([n], dtype=torch.int32, device=DEVICE),
-                                 torch.tensor([0, n], dtype=torch.int32, device=DEVICE), cu_seqlens=[0, n])
+        meta = AttentionMetadata(
+            True,
+            pos.clone(),
+            table,
+            torch.tensor([n], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+            cu_seqlens=[0, n],
+        )
         ours = model.compute_logits(model.forward(ids, pos, meta, cache)).float()
         ref = hf(ids[None]).logits[0].float()
         worst = max(worst, ((ours - ref).abs().max() / ref.std()).item())
@@ -85,8 +105,9 @@ def check_bf16(folder) -> bool:
 
 
 def decode_steps(model: str, batch_sizes: list[int], context: int = 256, steps: int = 20) -> None:
-    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device=DEVICE, kv_cache_gib=2.0,
-                                 max_num_seqs=max(batch_sizes)))
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype="bfloat16", device=DEVICE, kv_cache_gib=2.0, max_num_seqs=max(batch_sizes))
+    )
     vocab = engine.model_cfg.vocab_size
     for b in batch_sizes:
         prompts = [[(7 * i + j) % vocab for j in range(context)] for i in range(b)]

@@ -42,9 +42,9 @@ import torch
 import pdserve.decode_worker.worker as decode
 import pdserve.prefill_worker.worker as prefill_mod
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.kv import codec
 from pdserve.engine.kv.codec import KvPayload, pack_kv, unpack_kv
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import Sequence
@@ -96,6 +96,7 @@ def unpack_stage(frame: bytes, fp, buffers):
         decoder = codec.KvDecoder(fp, alloc=buffers.take)
         decoder.add(frame)
         buffers.give(decoder.finish().kv)
+
     return run
 
 
@@ -119,8 +120,9 @@ def write_ms(engine: LLMEngine, kv: torch.Tensor, ids: list[int], repeats: int) 
         engine.blocks.free(seq)
 
 
-async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: LLMEngine, server, e2e_address: str,
-                   args) -> tuple[float, float]:
+async def handoffs(
+    n: int, seq: Sequence, payload: KvPayload, engine: LLMEngine, server, e2e_address: str, args
+) -> tuple[float, float]:
     """Min-of-N ms of ``push`` (a packed frame, to ``server``) and ``e2e`` (read + the prefill worker's
     push, to the decode worker at ``e2e_address``)."""
     arrival = Arrival(server.worker)
@@ -130,6 +132,7 @@ async def handoffs(n: int, seq: Sequence, payload: KvPayload, engine: LLMEngine,
 
     def read_kv(seq, n):
         return engine.runner.read_kv(seq, n) if buffers is None else engine.runner.read_kv(seq, n, buffers.take)
+
     channels = {a: grpc.aio.insecure_channel(a) for a in {server.address, e2e_address}}
     push, e2e = float("inf"), float("inf")
     try:
@@ -163,9 +166,15 @@ def _rest(p: KvPayload, kv: torch.Tensor | None = None) -> tuple:
 
 
 def engine_config(dtype: str, max_len: int, args) -> EngineConfig:
-    return EngineConfig(model=MODEL, dtype=dtype, block_size=args.block_size,
-                        num_kv_blocks=4 * (max_len // args.block_size + 2), max_num_batched_tokens=max_len,
-                        max_num_seqs=4, torch_threads=args.threads)
+    return EngineConfig(
+        model=MODEL,
+        dtype=dtype,
+        block_size=args.block_size,
+        num_kv_blocks=4 * (max_len // args.block_size + 2),
+        max_num_batched_tokens=max_len,
+        max_num_seqs=4,
+        torch_threads=args.threads,
+    )
 
 
 async def serve_decode(args) -> None:
@@ -177,8 +186,17 @@ async def serve_decode(args) -> None:
 
 
 def start_decode_process(dtype: str, max_len: int, args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, __file__, "--serve-decode", "--dtypes", dtype, "--lengths", str(max_len),
-           "--block-size", str(args.block_size)] + (["--threads", str(args.threads)] if args.threads else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--serve-decode",
+        "--dtypes",
+        dtype,
+        "--lengths",
+        str(max_len),
+        "--block-size",
+        str(args.block_size),
+    ] + (["--threads", str(args.threads)] if args.threads else [])
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     address = child.stdout.readline().strip()
     if not address:
@@ -205,21 +223,33 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
                 prefill_ms = min(prefill_ms, ms)
             runner = engine.runner
             kv = runner.read_kv(seq, n)
-            payload = KvPayload(seq.request_id, engine.fingerprint, ids, seq.token_ids[-1],
-                                seq.sampling.to_dict(), kv)
+            payload = KvPayload(seq.request_id, engine.fingerprint, ids, seq.token_ids[-1], seq.sampling.to_dict(), kv)
             frame = pack_kv(payload)
             pbuf = getattr(prefill_mod.PrefillWorker(engine, None), "kv_buffers", None)  # the workers' own
             dbuf = getattr(server.worker, "kv_buffers", None)
-            st = {"read": best_ms(read_stage(runner, seq, n, pbuf), args.repeats),
-                  "pack": best_ms(lambda: SERIALIZE(payload), args.repeats),
-                  "unpack": best_ms(unpack_stage(frame, engine.fingerprint, dbuf), args.repeats)}
+            st = {
+                "read": best_ms(read_stage(runner, seq, n, pbuf), args.repeats),
+                "pack": best_ms(lambda: SERIALIZE(payload), args.repeats),
+                "unpack": best_ms(unpack_stage(frame, engine.fingerprint, dbuf), args.repeats),
+            }
             st["write"] = await asyncio.wrap_future(
-                server.worker.host.loop.submit(lambda e: write_ms(e, kv, ids, args.repeats)))
+                server.worker.host.loop.submit(lambda e: write_ms(e, kv, ids, args.repeats))
+            )
             st["push"], e2e = await handoffs(n, seq, payload, engine, server, e2e_address, args)
             engine.scheduler.finish(seq)
             nbytes = kv.numel() * kv.element_size()
-            rows.append({"dtype": dtype, "tokens": n, "bytes": nbytes, **st, "e2e": e2e,
-                         "gbps": nbytes / e2e / 1e6, "prefill": prefill_ms, "share": e2e / (prefill_ms + e2e)})
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "tokens": n,
+                    "bytes": nbytes,
+                    **st,
+                    "e2e": e2e,
+                    "gbps": nbytes / e2e / 1e6,
+                    "prefill": prefill_ms,
+                    "share": e2e / (prefill_ms + e2e),
+                }
+            )
             print_row(rows[-1])
     finally:
         await server.stop()
@@ -229,14 +259,19 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'dtype':<9}{'tokens':>7}{'MB':>8}{'read':>8}{'pack':>8}{'push':>8}{'unpack':>8}{'write':>8}"
-          f"{'e2e ms':>9}{'GB/s':>7}{'prefill':>9}{'TTFT%':>7}")
+HEADER = (
+    f"{'dtype':<9}{'tokens':>7}{'MB':>8}{'read':>8}{'pack':>8}{'push':>8}{'unpack':>8}{'write':>8}"
+    f"{'e2e ms':>9}{'GB/s':>7}{'prefill':>9}{'TTFT%':>7}"
+)
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>8.1f}{r['read']:>8.2f}{r['pack']:>8.2f}"
-          f"{r['push']:>8.2f}{r['unpack']:>8.2f}{r['write']:>8.2f}{r['e2e']:>9.2f}{r['gbps']:>7.2f}"
-          f"{r['prefill']:>9.1f}{r['share'] * 100:>6.1f}%", flush=True)
+    print(
+        f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>8.1f}{r['read']:>8.2f}{r['pack']:>8.2f}"
+        f"{r['push']:>8.2f}{r['unpack']:>8.2f}{r['write']:>8.2f}{r['e2e']:>9.2f}{r['gbps']:>7.2f}"
+        f"{r['prefill']:>9.1f}{r['share'] * 100:>6.1f}%",
+        flush=True,
+    )
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -258,8 +293,11 @@ async def main(argv: list[str] | None = None) -> int:
     ctx = ModelConfig.from_folder(resolve_model_dir(MODEL)).max_position_embeddings
     lengths = [min(int(x), ctx - 2) for x in args.lengths.split(",")]
     where = "a decode worker process" if args.decode_process else "this process"
-    print(f"{MODEL}, block_size {args.block_size}, min of {args.repeats} (prefill: {args.prefill_repeats}); "
-          f"stage times in ms; e2e to {where}", flush=True)
+    print(
+        f"{MODEL}, block_size {args.block_size}, min of {args.repeats} (prefill: {args.prefill_repeats}); "
+        f"stage times in ms; e2e to {where}",
+        flush=True,
+    )
     print(HEADER)
     rows = []
     for dtype in args.dtypes.split(","):

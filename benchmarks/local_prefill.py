@@ -25,8 +25,9 @@ from pdserve.router.client import Client, make_request
 
 async def ttft(client: Client, ids: list[int]) -> float:
     t0 = time.perf_counter()
-    async for msg in client.stream(make_request("", prompt_token_ids=ids, max_tokens=2, temperature=0,
-                                                ignore_eos=True)):
+    async for msg in client.stream(
+        make_request("", prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True)
+    ):
         if msg.HasField("chunk") and msg.chunk.token_ids:
             return time.perf_counter() - t0
     raise RuntimeError("no token arrived")
@@ -35,8 +36,9 @@ async def ttft(client: Client, ids: list[int]) -> float:
 async def background(client: Client, ids: list[int], gaps: list[float], stop: asyncio.Event) -> None:
     while not stop.is_set():
         last = None
-        async for msg in client.stream(make_request("", prompt_token_ids=ids, max_tokens=200, temperature=0,
-                                                    ignore_eos=True)):
+        async for msg in client.stream(
+            make_request("", prompt_token_ids=ids, max_tokens=200, temperature=0, ignore_eos=True)
+        ):
             now = time.perf_counter()
             if last is not None:
                 gaps.append(now - last)
@@ -63,11 +65,14 @@ async def main(args: argparse.Namespace) -> None:
         async with Client(split.address) as cs, Client(local.address) as cl:
             gaps: list[float] = []
             stop = asyncio.Event()
-            bg = [asyncio.create_task(background(cs, [rng.randrange(vocab) for _ in range(64)], gaps, stop))
-                  for _ in range(args.background)]
+            bg = [
+                asyncio.create_task(background(cs, [rng.randrange(vocab) for _ in range(64)], gaps, stop))
+                for _ in range(args.background)
+            ]
             await asyncio.sleep(2.0)
-            print(f"{'tokens':>6} {'TTFT split ms':>14} {'TTFT local ms':>14} {'p99 ITL split':>14} "
-                  f"{'p99 ITL local':>14}")
+            print(
+                f"{'tokens':>6} {'TTFT split ms':>14} {'TTFT local ms':>14} {'p99 ITL split':>14} {'p99 ITL local':>14}"
+            )
             for n in args.lengths:
                 row = []
                 itl = []

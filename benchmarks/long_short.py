@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import random
 
+from pdserve.cli.throughput import median_decode_step_ms
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.cli.throughput import median_decode_step_ms
 
 
 def main() -> None:
@@ -28,8 +28,15 @@ def main() -> None:
     ap.add_argument("--long-len", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, torch_threads=args.threads,
-                                 attention_backend=args.attention_backend, kv_cache_gib=1.0))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            torch_threads=args.threads,
+            attention_backend=args.attention_backend,
+            kv_cache_gib=1.0,
+        )
+    )
     rng = random.Random(0)
     vocab = engine.model_cfg.vocab_size
     shorts = [[rng.randrange(vocab) for _ in range(args.short_len)] for _ in range(args.short)]
@@ -39,8 +46,10 @@ def main() -> None:
     beside = median_decode_step_ms(engine, shorts + [long_prompt], args.steps)
     print(f"model {args.model}  dtype {engine.runner.dtype_name}  attention {engine.runner.model.attention.name}")
     print(f"{args.short} x {args.short_len}-token prompts alone:          TPOT {alone:6.2f} ms")
-    print(f"the same beside one {args.long_len}-token prompt: TPOT {beside:6.2f} ms  "
-          f"({beside / alone:.2f}x alone; target <= 1.3x)")
+    print(
+        f"the same beside one {args.long_len}-token prompt: TPOT {beside:6.2f} ms  "
+        f"({beside / alone:.2f}x alone; target <= 1.3x)"
+    )
 
 
 if __name__ == "__main__":

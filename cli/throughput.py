@@ -41,10 +41,10 @@ class ThroughputResult:
     output_tokens_per_s: float
     prefill_tokens_per_s: float
     prefill_s: float
-    decode_batch: int              # the largest decode batch the run reached (num_prompts unless capped)
-    decode_step_ms: float          # median step at that batch
-    matmul_tflops: float           # GEMM probe at the prefill row count
-    matmul_tflops_decode: float    # GEMM probe at the decode row count
+    decode_batch: int  # the largest decode batch the run reached (num_prompts unless capped)
+    decode_step_ms: float  # median step at that batch
+    matmul_tflops: float  # GEMM probe at the prefill row count
+    matmul_tflops_decode: float  # GEMM probe at the decode row count
     memory_gbps: float
     prefill_bound_s: float
     decode_step_bound_ms: float
@@ -98,8 +98,9 @@ def weight_bytes(mc: ModelConfig, itemsize: int) -> int:
     return model_flops_per_token(mc) // 2 * itemsize
 
 
-def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_len: int,
-                   seed: int = 0) -> ThroughputResult:
+def run_throughput(
+    cfg: EngineConfig, num_prompts: int, input_len: int, output_len: int, seed: int = 0
+) -> ThroughputResult:
     """Run the workload once after a short warm-up; ValueError for lengths the model cannot hold."""
     if output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (a decode step is measured), got {output_len}")
@@ -136,30 +137,47 @@ def run_throughput(cfg: EngineConfig, num_prompts: int, input_len: int, output_l
     prefill_bound = num_prompts * (input_len * model_flops_per_token(mc) + attn_flops) / (peak * 1e12)
     mean_ctx = input_len + output_len / 2
     kv_bytes = batch * mean_ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
-    step_bound = max((weight_bytes(mc, itemsize) + kv_bytes) / (bandwidth * 1e9),
-                     batch * model_flops_per_token(mc) / (peak_decode * 1e12))
+    step_bound = max(
+        (weight_bytes(mc, itemsize) + kv_bytes) / (bandwidth * 1e9),
+        batch * model_flops_per_token(mc) / (peak_decode * 1e12),
+    )
     total_bound = prefill_bound + (output_len - 1) * num_prompts / batch * step_bound
     step = statistics.median(decode_steps[batch])
     tokens = num_prompts * (input_len + output_len)
     return ThroughputResult(
-        model=cfg.model, dtype=runner.dtype_name, dtype_reason=runner.dtype_reason,
+        model=cfg.model,
+        dtype=runner.dtype_name,
+        dtype_reason=runner.dtype_reason,
         attention_backend=runner.model.attention.name,
-        num_prompts=num_prompts, input_len=input_len, output_len=output_len, elapsed_s=elapsed,
-        total_tokens_per_s=tokens / elapsed, output_tokens_per_s=num_prompts * output_len / elapsed,
-        prefill_tokens_per_s=num_prompts * input_len / prefill_s, prefill_s=prefill_s, decode_batch=batch,
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        elapsed_s=elapsed,
+        total_tokens_per_s=tokens / elapsed,
+        output_tokens_per_s=num_prompts * output_len / elapsed,
+        prefill_tokens_per_s=num_prompts * input_len / prefill_s,
+        prefill_s=prefill_s,
+        decode_batch=batch,
         decode_step_ms=step * 1e3,
-        matmul_tflops=peak, matmul_tflops_decode=peak_decode, memory_gbps=bandwidth,
-        prefill_bound_s=prefill_bound, decode_step_bound_ms=step_bound * 1e3, total_bound_s=total_bound,
-        prefill_fraction=prefill_bound / prefill_s, decode_fraction=step_bound / step,
-        total_fraction=total_bound / elapsed)
+        matmul_tflops=peak,
+        matmul_tflops_decode=peak_decode,
+        memory_gbps=bandwidth,
+        prefill_bound_s=prefill_bound,
+        decode_step_bound_ms=step_bound * 1e3,
+        total_bound_s=total_bound,
+        prefill_fraction=prefill_bound / prefill_s,
+        decode_fraction=step_bound / step,
+        total_fraction=total_bound / elapsed,
+    )
 
 
 def median_decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
     """Prefill ``prompts`` (greedy, EOS ignored), then the median wall time in ms of the ``steps``
     decode steps that run the whole batch."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"step-{len(prompts)}-{i}", p,
-                           SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        engine.add_request(
+            f"step-{len(prompts)}-{i}", p, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+        )
     while engine.scheduler.waiting:
         engine.step()
     times = []
@@ -173,18 +191,26 @@ def median_decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: in
 
 def format_result(r: ThroughputResult) -> str:
     """The human-readable report."""
-    return "\n".join([
-        f"model {r.model}  dtype {r.dtype} ({r.dtype_reason})  attention {r.attention_backend}",
-        f"{r.num_prompts} prompts x {r.input_len} random tokens in -> {r.output_len} greedy tokens out, EOS ignored",
-        f"total     {r.total_tokens_per_s:9.0f} tok/s   ({r.elapsed_s:.2f} s; bound {r.total_bound_s:.2f} s, "
-        f"{r.total_fraction:.0%} of it)",
-        f"output    {r.output_tokens_per_s:9.0f} tok/s",
-        f"prefill   {r.prefill_tokens_per_s:9.0f} tok/s   ({r.prefill_s:.2f} s; bound {r.prefill_bound_s:.2f} s, "
-        f"{r.prefill_fraction:.0%})",
-        f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   (bound {r.decode_step_bound_ms:.2f} ms, "
-        f"{r.decode_fraction:.0%})",
-        f"probes    matmul {r.matmul_tflops * 1e3:.1f} GFLOP/s at prefill rows, {r.matmul_tflops_decode * 1e3:.1f} at "
-        f"{r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
-        *(["warning: a figure is past its bound, so the probes were slowed by other work on this machine; "
-           "rerun it on a quiet one"] if max(r.prefill_fraction, r.decode_fraction, r.total_fraction) > 1 else []),
-    ])
+    return "\n".join(
+        [
+            f"model {r.model}  dtype {r.dtype} ({r.dtype_reason})  attention {r.attention_backend}",
+            f"{r.num_prompts} prompts x {r.input_len} random tokens in -> {r.output_len} greedy tokens out, EOS ignored",
+            f"total     {r.total_tokens_per_s:9.0f} tok/s   ({r.elapsed_s:.2f} s; bound {r.total_bound_s:.2f} s, "
+            f"{r.total_fraction:.0%} of it)",
+            f"output    {r.output_tokens_per_s:9.0f} tok/s",
+            f"prefill   {r.prefill_tokens_per_s:9.0f} tok/s   ({r.prefill_s:.2f} s; bound {r.prefill_bound_s:.2f} s, "
+            f"{r.prefill_fraction:.0%})",
+            f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   (bound {r.decode_step_bound_ms:.2f} ms, "
+            f"{r.decode_fraction:.0%})",
+            f"probes    matmul {r.matmul_tflops * 1e3:.1f} GFLOP/s at prefill rows, {r.matmul_tflops_decode * 1e3:.1f} at "
+            f"{r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
+            *(
+                [
+                    "warning: a figure is past its bound, so the probes were slowed by other work on this machine; "
+                    "rerun it on a quiet one"
+                ]
+                if max(r.prefill_fraction, r.decode_fraction, r.total_fraction) > 1
+                else []
+            ),
+        ]
+    )

@@ -36,8 +36,9 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    async def start(self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None,
-                    secret: str | None = None) -> str:
+    async def start(
+        self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None, secret: str | None = None
+    ) -> str:
         """Build the engine, serve the role's gRPC services; returns the advertised "host:port".
 
         ``cpus``: pin this process (and the engine and torch threads it starts) to these CPU ids.
@@ -73,21 +74,45 @@ class RouterActor:
     def __init__(self) -> None:
         self.running = None
 
-    async def start(self, model_dir: str, prefill: list[str], decode: list[str], colocated: list[str],
-                    bind_host: str, port: int, max_model_len: int | None, http_port: int | None = None,
-                    model_name: str | None = None, api_keys: tuple[str, ...] = (),
-                    secret: str | None = None, max_requests_per_worker: int = 0,
-                    tls: tuple[str, str] | None = None, routing: str = "prefix-aware",
-                    local_prefill_tokens: int = 0) -> tuple[str, str | None]:
+    async def start(
+        self,
+        model_dir: str,
+        prefill: list[str],
+        decode: list[str],
+        colocated: list[str],
+        bind_host: str,
+        port: int,
+        max_model_len: int | None,
+        http_port: int | None = None,
+        model_name: str | None = None,
+        api_keys: tuple[str, ...] = (),
+        secret: str | None = None,
+        max_requests_per_worker: int = 0,
+        tls: tuple[str, str] | None = None,
+        routing: str = "prefix-aware",
+        local_prefill_tokens: int = 0,
+    ) -> tuple[str, str | None]:
         """Serve; returns the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _set_secret(secret)
         from pdserve.router.grpc_api import serve
 
-        self.running = r = await serve(model_dir, prefill, decode, colocated, bind_host, port, max_model_len,
-                                       http_port=http_port, model_name=model_name, api_keys=api_keys,
-                                       max_requests_per_worker=max_requests_per_worker, tls=tls,
-                                       routing=routing, local_prefill_tokens=local_prefill_tokens)
+        self.running = r = await serve(
+            model_dir,
+            prefill,
+            decode,
+            colocated,
+            bind_host,
+            port,
+            max_model_len,
+            http_port=http_port,
+            model_name=model_name,
+            api_keys=api_keys,
+            max_requests_per_worker=max_requests_per_worker,
+            tls=tls,
+            routing=routing,
+            local_prefill_tokens=local_prefill_tokens,
+        )
         host = _advertised_host(bind_host)
         http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
         return f"{host}:{r.address.rsplit(':', 1)[1]}", http

@@ -93,8 +93,9 @@ class ClusterConfig:
         """Whether workers get one GPU each; ValueError when cuda is forced without enough GPUs."""
         needed = len(self.roles)
         if self.device == "cuda" and available_gpus < needed:
-            raise ValueError(f"--device cuda needs {needed} GPUs (one per worker); the Ray cluster has "
-                             f"{available_gpus:g}")
+            raise ValueError(
+                f"--device cuda needs {needed} GPUs (one per worker); the Ray cluster has {available_gpus:g}"
+            )
         return self.device == "cuda" or (self.device is None and available_gpus >= needed)
 
     def cpu_sets(self, num_cpus: int) -> list[list[int]] | None:

@@ -57,7 +57,7 @@ class Cluster:
             ray.shutdown()
             self._started_ray = False
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,8 +74,7 @@ def _init_ray(cfg: ClusterConfig, needed_cpus: int) -> bool:
         return False
     cpus = os.cpu_count() or 1
     if needed_cpus > cpus:
-        log.warning("placement asks for %d CPUs, this machine has %d: workers will share cores",
-                    needed_cpus, cpus)
+        log.warning("placement asks for %d CPUs, this machine has %d: workers will share cores", needed_cpus, cpus)
     _start_local_ray(max(cpus, needed_cpus))
     return True
 
@@ -90,14 +89,17 @@ def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) ->
     hostport = address.removeprefix("ray://")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--address {address!r}: expected host:port (a Ray head's GCS, e.g. 10.0.0.5:6379), "
-                         f"ray://host:port or auto")
+        raise ValueError(
+            f"--address {address!r}: expected host:port (a Ray head's GCS, e.g. 10.0.0.5:6379), ray://host:port or auto"
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise RuntimeError(f"cannot reach a Ray cluster at {address}: {reason}; start one there "
-                           f"(`ray start --head`) or leave out --address to start a local one") from None
+        raise RuntimeError(
+            f"cannot reach a Ray cluster at {address}: {reason}; start one there "
+            f"(`ray start --head`) or leave out --address to start a local one"
+        ) from None
 
 
 def _start_local_ray(num_cpus: int) -> None:
@@ -117,8 +119,9 @@ def _start_local_ray(num_cpus: int) -> None:
             with _loopback_node():
                 ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=True)
             if ray.is_initialized() and (ip := ray.util.get_node_ip_address()) != LOOPBACK:
-                log.warning("the local Ray node took the IP %s, not %s: its processes listen on every "
-                            "interface", ip, LOOPBACK)
+                log.warning(
+                    "the local Ray node took the IP %s, not %s: its processes listen on every interface", ip, LOOPBACK
+                )
             return
         except (ValueError, TypeError):
             raise
@@ -131,8 +134,13 @@ def _start_local_ray(num_cpus: int) -> None:
             psutil.wait_procs(spawned, timeout=10)
             if attempt == RAY_START_ATTEMPTS:
                 raise
-            log.warning("local Ray failed to start (%s); killed %d of its processes, trying again (%d of %d)",
-                        exc, len(spawned), attempt + 1, RAY_START_ATTEMPTS)
+            log.warning(
+                "local Ray failed to start (%s); killed %d of its processes, trying again (%d of %d)",
+                exc,
+                len(spawned),
+                attempt + 1,
+                RAY_START_ATTEMPTS,
+            )
 
 
 @contextlib.contextmanager
@@ -181,8 +189,12 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         engine_cfg = cfg.worker_engine(use_gpu)
         opts = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cfg.cpus_per_worker}
         # Ray restarts a dead worker process; the supervisor then starts its server again
-        actors = [WorkerActor.options(max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0, **opts,
-                                      resources=cfg.role_resources(r)).remote() for r in roles]
+        actors = [
+            WorkerActor.options(
+                max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0, **opts, resources=cfg.role_resources(r)
+            ).remote()
+            for r in roles
+        ]
         cluster._actors.extend(actors)
         # pin CPU workers to their own cores on a local machine (a remote cluster's nodes are its own)
         pin = started and not use_gpu and sys.platform.startswith("linux")
@@ -196,24 +208,43 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         router = RouterActor.remote()
         cluster._actors.append(router)
         router_bind = cfg.router_host if started else "0.0.0.0"
-        cluster.address, cluster.http_address = ray.get(router.start.remote(
-            str(model_dir), by_role["prefill"], by_role["decode"], by_role["colocated"], router_bind,
-            cfg.router_port, cfg.engine.max_model_len, cfg.http_port, model_name, cfg.api_keys, secret,
-            cfg.max_requests_per_worker, cfg.tls, cfg.routing, cfg.local_prefill_tokens),
-            timeout=START_TIMEOUT_S)
+        cluster.address, cluster.http_address = ray.get(
+            router.start.remote(
+                str(model_dir),
+                by_role["prefill"],
+                by_role["decode"],
+                by_role["colocated"],
+                router_bind,
+                cfg.router_port,
+                cfg.engine.max_model_len,
+                cfg.http_port,
+                model_name,
+                cfg.api_keys,
+                secret,
+                cfg.max_requests_per_worker,
+                cfg.tls,
+                cfg.routing,
+                cfg.local_prefill_tokens,
+            ),
+            timeout=START_TIMEOUT_S,
+        )
     except KeyboardInterrupt:
         cluster.stop()
         raise
     except Exception as exc:
         cluster.stop()
         raise RuntimeError(f"cluster failed to start: {_root_cause(exc)}") from exc
+
     def moved(old: str, new: str, role: str) -> None:
         cluster.workers.pop(old, None)
         cluster.workers[new] = role
 
-    cluster.supervisor = Supervisor([Supervised(a, r, args, addr) for a, r, args, addr in
-                                     zip(actors, roles, start_args, addresses)], router, on_change=moved,
-                                    max_restarts=WORKER_MAX_RESTARTS)
+    cluster.supervisor = Supervisor(
+        [Supervised(a, r, args, addr) for a, r, args, addr in zip(actors, roles, start_args, addresses)],
+        router,
+        on_change=moved,
+        max_restarts=WORKER_MAX_RESTARTS,
+    )
     cluster.supervisor.start()
     log.info("cluster up in %.1fs: router %s, workers %s", time.monotonic() - t0, cluster.address, cluster.workers)
     return cluster

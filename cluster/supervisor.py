@@ -38,8 +38,15 @@ class Supervised:
 class Supervisor:
     """See the module docstring. ``on_change(old, new, role)`` runs after each replacement."""
 
-    def __init__(self, workers: list[Supervised], router, interval_s: float = 0.5, start_timeout_s: float = 600.0,
-                 on_change=None, max_restarts: int | None = None) -> None:
+    def __init__(
+        self,
+        workers: list[Supervised],
+        router,
+        interval_s: float = 0.5,
+        start_timeout_s: float = 600.0,
+        on_change=None,
+        max_restarts: int | None = None,
+    ) -> None:
         self.max_restarts = max_restarts
         self.workers, self.router, self.interval_s = workers, router, interval_s
         self.start_timeout_s, self.on_change = start_timeout_s, on_change
@@ -70,20 +77,29 @@ class Supervisor:
         except ray.exceptions.ActorDiedError:
             if not w.gone:  # Ray's restart budget is spent: it will not come back
                 w.gone = True
-                log.error("%s worker %s is dead for good (its %s restarts are used up); restart pdserve serve to "
-                          "get it back", w.role, w.address, self.max_restarts)
+                log.error(
+                    "%s worker %s is dead for good (its %s restarts are used up); restart pdserve serve to get it back",
+                    w.role,
+                    w.address,
+                    self.max_restarts,
+                )
             return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             if w.down_since is None:
                 w.down_since = time.monotonic()
-                log.warning("%s worker %s is down (%s); waiting for Ray to restart it", w.role, w.address,
-                            type(exc).__name__)
+                log.warning(
+                    "%s worker %s is down (%s); waiting for Ray to restart it", w.role, w.address, type(exc).__name__
+                )
                 self.router.worker_restarting.remote(w.address)  # its requests wait for it, not fail
             return
         if address is not None:
             if w.down_since is not None:  # it was only out of reach (a cut link, a stalled node): not restarted
-                log.warning("%s worker %s answers again after %.1fs; it was not restarted", w.role, w.address,
-                            time.monotonic() - w.down_since)
+                log.warning(
+                    "%s worker %s answers again after %.1fs; it was not restarted",
+                    w.role,
+                    w.address,
+                    time.monotonic() - w.down_since,
+                )
                 w.down_since = None  # so its next fall is reported again, and timed from then
             return
         # restarted by Ray: a fresh process without a server

@@ -20,5 +20,6 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0):
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "colocated"))
     worker = ColocatedWorker(engine)
-    return await serve_worker(worker, worker_pb2_grpc.add_ColocatedServiceServicer_to_server,
-                              "pdserve.v1.ColocatedService", host, port)
+    return await serve_worker(
+        worker, worker_pb2_grpc.add_ColocatedServiceServicer_to_server, "pdserve.v1.ColocatedService", host, port
+    )

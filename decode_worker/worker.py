@@ -7,20 +7,23 @@ import time
 
 import grpc
 
-from pdserve.engine.llm_engine import LLMEngine, KvCacheFullError
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
+from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine
 from pdserve.engine.scheduling.sequence import Sequence
-from pdserve.worker.host import EngineHost, abort_quietly, relay_tokens, submit_quietly
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.host import EngineHost, abort_quietly, relay_tokens, submit_quietly
 
 ADMIT_RETRY_S = 0.005
 ADMIT_PREEMPT_AFTER_S = 1.0  # a KV kept out this long by a full cache preempts running sequences for its room
 CACHED_TOKENS_KEY = "x-pdserve-cached-tokens"  # Decode's initial metadata: prompt tokens held for the KV
-PUSH_ERROR_CODES = ((KvCodecError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND),
-                    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-                    (KvCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED))
+PUSH_ERROR_CODES = (
+    (KvCodecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (KeyError, grpc.StatusCode.NOT_FOUND),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (KvCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
 
 
 class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
@@ -40,8 +43,10 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         self.kv_timeout_s = kv_timeout_s
         self.limits = limits
         self.kv_buffers = HostBuffers()  # tensors of admitted KV, reused by the next pushes
-        self.host = EngineHost(engine, extra_stats=lambda: {
-            "num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())})
+        self.host = EngineHost(
+            engine,
+            extra_stats=lambda: {"num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())},
+        )
         self._pending: dict[str, asyncio.Future] = {}
         self._kv_transfer: dict[str, tuple[int, int, int]] = {}  # request id -> (ns, bytes, admission ns)
 
@@ -85,15 +90,23 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         if fut.done():  # the stream went away while we were admitting
             await abort_quietly(self.host.loop, rid)
             return
-        self._kv_transfer[rid] = (max(0, time.time_ns() - sent_ns) if sent_ns else 0, payload.kv.nbytes,
-                                  int((time.monotonic() - start) * 1e9))
+        self._kv_transfer[rid] = (
+            max(0, time.time_ns() - sent_ns) if sent_ns else 0,
+            payload.kv.nbytes,
+            int((time.monotonic() - start) * 1e9),
+        )
         fut.set_result(seq)
 
     def _timings(self, seq: Sequence, end_ns: int) -> generate_pb2.Timings:
         ns, nbytes, admission_ns = self._kv_transfer.get(seq.request_id, (0, 0, 0))
-        return generate_pb2.Timings(kv_transfer_ns=ns, kv_transfer_bytes=nbytes, decode_ns=end_ns - seq.arrival_ns,
-                                    kv_admission_ns=admission_ns, num_preemptions=seq.num_preemptions,
-                                    preempted_ns=seq.preempted_ns)
+        return generate_pb2.Timings(
+            kv_transfer_ns=ns,
+            kv_transfer_bytes=nbytes,
+            decode_ns=end_ns - seq.arrival_ns,
+            kv_admission_ns=admission_ns,
+            num_preemptions=seq.num_preemptions,
+            preempted_ns=seq.preempted_ns,
+        )
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -114,8 +127,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             try:
                 await asyncio.wait_for(asyncio.shield(fut), timeout)
             except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no KV cache arrived for request {rid!r} within {timeout:.1f}s")
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no KV cache arrived for request {rid!r} within {timeout:.1f}s"
+                )
             except KvCodecError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV cache refused: {exc}")
             except ValueError as exc:
@@ -147,8 +161,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 if rid is None:
                     rid = chunk.request_id
                     if rid not in self._pending:
-                        await context.abort(grpc.StatusCode.NOT_FOUND,
-                                            f"no decode stream is waiting for request {rid!r}")
+                        await context.abort(
+                            grpc.StatusCode.NOT_FOUND, f"no decode stream is waiting for request {rid!r}"
+                        )
                 decoder.add(chunk.data)
             payload = decoder.finish()
             await self.admit(payload)
@@ -179,7 +194,11 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float
 
     worker = DecodeWorker(engine, kv_timeout_s)
     local = ColocatedWorker(engine, worker.host)
-    return await serve_worker(worker, worker_pb2_grpc.add_DecodeServiceServicer_to_server,
-                              "pdserve.v1.DecodeService", host, port,
-                              ((worker_pb2_grpc.add_ColocatedServiceServicer_to_server, local,
-                                "pdserve.v1.ColocatedService"),))
+    return await serve_worker(
+        worker,
+        worker_pb2_grpc.add_DecodeServiceServicer_to_server,
+        "pdserve.v1.DecodeService",
+        host,
+        port,
+        ((worker_pb2_grpc.add_ColocatedServiceServicer_to_server, local, "pdserve.v1.ColocatedService"),),
+    )

@@ -33,7 +33,7 @@ class ModelConfig:
     torch_dtype: str = "float32"  # the checkpoint's dtype (config.json ``dtype`` / ``torch_dtype``)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
         """Read ``folder/config.json``.
 
         Raises FileNotFoundError when it is missing and ValueError for an architecture other than
@@ -45,7 +45,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json`` (see ``from_folder`` for errors)."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
@@ -111,11 +111,13 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 # bfloat16 matmul and 0.9-1.7 s (more with context) on an AVX2 core in float32. Unless a budget is
 # given, it sizes chunks to DEFAULT_TARGET_ITL_MS instead (StepTimeModel), within 2048 tokens.
 DEFAULT_TOKEN_BUDGET = {"colocated": 2048, "prefill": 2048, "decode": 2048}
-DEFAULT_TARGET_ITL_MS = {"colocated": 200.0}  # a reading-speed token rate (5 tokens/s); DistServe's chat TPOT SLOs are 0.1-0.2 s
+DEFAULT_TARGET_ITL_MS = {
+    "colocated": 200.0
+}  # a reading-speed token rate (5 tokens/s); DistServe's chat TPOT SLOs are 0.1-0.2 s
 UNCHUNKED_TOKEN_BUDGET = 4096
 
 
-def for_role(cfg: "EngineConfig", role: str) -> "EngineConfig":
+def for_role(cfg: EngineConfig, role: str) -> EngineConfig:
     """``cfg`` with ``role``'s defaults where it sets none: without chunked prefill, the prefill
     batch bound of before (``UNCHUNKED_TOKEN_BUDGET``); with it, ``DEFAULT_TOKEN_BUDGET[role]`` and,
     unless a token budget was given (vLLM's rule exactly), ``DEFAULT_TARGET_ITL_MS[role]``."""
@@ -172,7 +174,9 @@ class EngineConfig:
         if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):
             raise ValueError(f"target_itl_ms must be a finite number > 0, got {self.target_itl_ms}")
         if self.target_itl_ms is not None and not self.enable_chunked_prefill:
-            raise ValueError("--target-itl-ms sizes prefill chunks, so it needs chunked prefill; "
-                             "drop --no-chunked-prefill or --target-itl-ms")
+            raise ValueError(
+                "--target-itl-ms sizes prefill chunks, so it needs chunked prefill; "
+                "drop --no-chunked-prefill or --target-itl-ms"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.prefix_hash import prefix_hashes
 from pdserve.engine.scheduling.scheduler import Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
@@ -62,25 +62,41 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.model_dir)
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.token_budget, cfg.enable_chunked_prefill,
-                                   None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3)
+        self.scheduler = Scheduler(
+            self.blocks,
+            cfg.max_num_seqs,
+            cfg.token_budget,
+            cfg.enable_chunked_prefill,
+            None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3,
+        )
         if not cfg.enable_chunked_prefill:
             log.info("scheduling: prefill-first, up to %d prompt tokens a prefill step", cfg.token_budget)
         elif cfg.target_itl_ms is None:
             log.info("scheduling: chunked prefill, %d tokens a step", cfg.token_budget)
         else:
-            log.info("scheduling: chunked prefill, chunks sized to %g ms steps, at most %d tokens a step",
-                     cfg.target_itl_ms, cfg.token_budget)
+            log.info(
+                "scheduling: chunked prefill, chunks sized to %g ms steps, at most %d tokens a step",
+                cfg.target_itl_ms,
+                cfg.token_budget,
+            )
         self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > max_pos:
-            log.warning("max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len,
-                        max_pos, max_pos)
+            log.warning(
+                "max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len, max_pos, max_pos
+            )
         self.max_model_len = min(cfg.max_model_len or max_pos, max_pos)
         mc = self.model_cfg
-        self.fingerprint = ModelFingerprint(mc.architecture, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            self.runner.dtype_name, cfg.block_size,
-                                            self.tokenizer.content_hash, weights_hash(self.model_dir))
+        self.fingerprint = ModelFingerprint(
+            mc.architecture,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.runner.dtype_name,
+            cfg.block_size,
+            self.tokenizer.content_hash,
+            weights_hash(self.model_dir),
+        )
         self._digest = self.fingerprint.digest()
         self._pinned: dict[str, Sequence] = {}  # request id -> prefix held for its coming KV (pin_prefix)
 
@@ -95,11 +111,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if n + sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                             f"context window of {self.max_model_len} tokens")
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context window of {self.max_model_len} tokens"
+            )
         if self.blocks.blocks_for(n + sampling.max_tokens) > self.blocks.num_blocks:
-            raise ValueError(f"request needs {self.blocks.blocks_for(n + sampling.max_tokens)} KV blocks; "
-                             f"the cache has {self.blocks.num_blocks}")
+            raise ValueError(
+                f"request needs {self.blocks.blocks_for(n + sampling.max_tokens)} KV blocks; "
+                f"the cache has {self.blocks.num_blocks}"
+            )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
         """Queue a prompt for prefill (ValueError as in ``check_request``)."""
@@ -141,18 +161,25 @@ class LLMEngine:
         rid, k = payload.request_id, payload.kv_start
         kb = k // self.cfg.block_size
         held = self._pinned.get(rid)
-        if k and (held is None or held.token_ids[:k] != list(payload.token_ids[:k])
-                  or held.block_hashes[:kb] != list(payload.prefix_hashes) or len(held.block_table) < kb):
-            raise ValueError(f"request {rid}: its KV starts at position {k}, but this worker holds no such "
-                             f"prefix for it")
+        if k and (
+            held is None
+            or held.token_ids[:k] != list(payload.token_ids[:k])
+            or held.block_hashes[:kb] != list(payload.prefix_hashes)
+            or len(held.block_table) < kb
+        ):
+            raise ValueError(
+                f"request {rid}: its KV starts at position {k}, but this worker holds no such prefix for it"
+            )
         seq = Sequence.new(rid, payload.token_ids, sampling, self.eos_token_ids)
         seq.token_ids.append(payload.first_token)
         need = self.blocks.blocks_for(seq.num_tokens) - kb
         if preempt:
             self.scheduler.preempt_for(need)
         if need > self.blocks.num_free or (self.scheduler.waiting and not preempt):
-            raise KvCacheFullError(f"{self.blocks.num_free} free KV blocks and {len(self.scheduler.waiting)} "
-                                   f"sequences waiting for some; request {rid} needs {need}")
+            raise KvCacheFullError(
+                f"{self.blocks.num_free} free KV blocks and {len(self.scheduler.waiting)} "
+                f"sequences waiting for some; request {rid} needs {need}"
+            )
         if k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
             del self._pinned[rid]
             seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]
@@ -167,8 +194,9 @@ class LLMEngine:
         self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
         return seq
 
-    def extract_kv(self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None,
-                   skip_tokens: int = 0) -> KvPayload:
+    def extract_kv(
+        self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None, skip_tokens: int = 0
+    ) -> KvPayload:
         """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
         token; only from ``skip_tokens`` on, rounded down to whole blocks, when the receiver holds
         the positions before) and the last token as ``first_token``. Frees its blocks. ``alloc``:
@@ -176,9 +204,16 @@ class LLMEngine:
         n, bs = seq.num_tokens - 1, self.cfg.block_size
         start = min(skip_tokens, n - 1) // bs * bs
         kv = self.runner.read_kv(seq, n, alloc, start)
-        payload = KvPayload(seq.request_id, self.fingerprint, seq.token_ids[:-1], seq.token_ids[-1],
-                            seq.sampling.to_dict(), kv, kv_start=start,
-                            prefix_hashes=prefix_hashes(seq.token_ids[:start], bs))
+        payload = KvPayload(
+            seq.request_id,
+            self.fingerprint,
+            seq.token_ids[:-1],
+            seq.token_ids[-1],
+            seq.sampling.to_dict(),
+            kv,
+            kv_start=start,
+            prefix_hashes=prefix_hashes(seq.token_ids[:start], bs),
+        )
         self.scheduler.finish(seq)
         return payload
 
@@ -241,9 +276,12 @@ class LLMEngine:
         s = self.scheduler
         waiting = list(s.waiting)  # atomic copy under the GIL
         return {
-            "num_waiting": len(waiting), "num_running": len(s.running),
-            "used_kv_blocks": self.blocks.num_used, "free_kv_blocks": self.blocks.num_free,
-            "block_size": self.cfg.block_size, "model_fingerprint": self._digest,
+            "num_waiting": len(waiting),
+            "num_running": len(s.running),
+            "used_kv_blocks": self.blocks.num_used,
+            "free_kv_blocks": self.blocks.num_free,
+            "block_size": self.cfg.block_size,
+            "model_fingerprint": self._digest,
             "outstanding_prefill_tokens": sum(q.num_tokens for q in waiting),
             "cached_kv_blocks": self.blocks.num_cached,
             "prefix_query_tokens": s.num_prompt_tokens_admitted,

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.models.dtype import resolve_dtype
 from pdserve.engine.models.attention import AttentionMetadata, select_backend
+from pdserve.engine.models.dtype import resolve_dtype
 from pdserve.engine.models.llama import LlamaModel
-from pdserve.engine.models.ops import select_ops
 from pdserve.engine.models.loader import load_weights
+from pdserve.engine.models.ops import select_ops
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduling.scheduler import Batch
 from pdserve.engine.scheduling.sequence import Sequence
@@ -44,14 +44,30 @@ class ModelRunner:
         self.dtype_name, self.dtype_reason = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
         log.info("dtype %s: %s", self.dtype_name, self.dtype_reason)
         self.dtype = getattr(torch, self.dtype_name)
-        attention = select_backend(cfg.attention_backend, self.device, self.dtype, mc.num_heads, mc.num_kv_heads,
-                                   mc.head_dim, mc.sliding_window)
-        self.model = LlamaModel(mc, load_weights(model_dir, mc, self.dtype, cfg.device), attention,
-                                select_ops(self.device, self.dtype))
+        attention = select_backend(
+            cfg.attention_backend,
+            self.device,
+            self.dtype,
+            mc.num_heads,
+            mc.num_kv_heads,
+            mc.head_dim,
+            mc.sliding_window,
+        )
+        self.model = LlamaModel(
+            mc, load_weights(model_dir, mc, self.dtype, cfg.device), attention, select_ops(self.device, self.dtype)
+        )
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)
-        self.kv_cache = torch.zeros(mc.num_layers, 2, self.num_blocks, cfg.block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            mc.num_layers,
+            2,
+            self.num_blocks,
+            cfg.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Slot mapping of positions start..end-1 of ``seq`` (host ints)."""
@@ -84,10 +100,18 @@ class ModelRunner:
         cu = [0]
         for n in counts:
             cu.append(cu[-1] + n)
-        meta = AttentionMetadata(batch.is_prefill, self._tensor(slot_mapping, torch.int64), tables, lens,
-                                 self._tensor(cu, torch.int32), cu_seqlens=cu, context_lens_host=ends)
-        hidden = self.model.forward(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                                    self.kv_cache)
+        meta = AttentionMetadata(
+            batch.is_prefill,
+            self._tensor(slot_mapping, torch.int64),
+            tables,
+            lens,
+            self._tensor(cu, torch.int32),
+            cu_seqlens=cu,
+            context_lens_host=ends,
+        )
+        hidden = self.model.forward(
+            self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta, self.kv_cache
+        )
         sampled = [i for i in range(len(seqs)) if batch.samples(i)]
         if not sampled:  # every chunk stopped short of its prompt's end
             return []
@@ -95,7 +119,9 @@ class ModelRunner:
             hidden = hidden[self._tensor([cu[i + 1] - 1 for i in sampled], torch.int64)]
         logits = self.model.compute_logits(hidden)
         chosen = [seqs[i] for i in sampled]
-        return sample(logits, [s.sampling for s in chosen], [s.sampling.step_offset + s.num_output_tokens for s in chosen])
+        return sample(
+            logits, [s.sampling for s in chosen], [s.sampling.step_offset + s.num_output_tokens for s in chosen]
+        )
 
     def _runs(self, seq: Sequence, n: int, start: int = 0) -> list[tuple[int, int, int]]:
         """Positions start..n-1 of ``seq`` (``start`` a multiple of the block size) as runs over
@@ -121,8 +147,9 @@ class ModelRunner:
         count = -(-(p1 - p0) // self.cfg.block_size)
         return self.kv_cache[:, :, block : block + count].flatten(2, 3)[:, :, : p1 - p0]
 
-    def read_kv(self, seq: Sequence, num_positions: int,
-                alloc: Callable[[int], torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+    def read_kv(
+        self, seq: Sequence, num_positions: int, alloc: Callable[[int], torch.Tensor] | None = None, start: int = 0
+    ) -> torch.Tensor:
         """Copy positions start..num_positions-1 of ``seq`` out of the cache (``start`` a multiple of the
         block size): [num_layers, 2, num_positions - start, kv_heads, head_dim] on CPU.
 
@@ -132,8 +159,11 @@ class ModelRunner:
         runs, cache = self._runs(seq, num_positions, start), self.kv_cache
         shape = (*cache.shape[:2], num_positions - start, *cache.shape[4:])
         host = None if alloc is None else alloc(math.prod(shape) * cache.element_size()).view(cache.dtype).view(shape)
-        out = host if host is not None and cache.device.type == "cpu" else torch.empty(
-            shape, dtype=cache.dtype, device=cache.device)
+        out = (
+            host
+            if host is not None and cache.device.type == "cpu"
+            else torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        )
         for p0, p1, block in runs:
             out[:, :, p0:p1].copy_(self._blocks(p0, p1, block))
         if host is None:

@@ -39,18 +39,26 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """Plain dict for the KV payload header."""
         return {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "seed": self.seed, "max_tokens": self.max_tokens, "ignore_eos": self.ignore_eos,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
             "step_offset": self.step_offset,
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
+    def from_dict(cls, d: dict) -> SamplingParams:
         """Inverse of ``to_dict``; ValueError for missing keys or bad values."""
         try:
             return cls(
-                temperature=float(d["temperature"]), top_p=float(d["top_p"]), top_k=int(d["top_k"]),
-                seed=int(d["seed"]), max_tokens=int(d["max_tokens"]), ignore_eos=bool(d["ignore_eos"]),
+                temperature=float(d["temperature"]),
+                top_p=float(d["top_p"]),
+                top_k=int(d["top_k"]),
+                seed=int(d["seed"]),
+                max_tokens=int(d["max_tokens"]),
+                ignore_eos=bool(d["ignore_eos"]),
                 step_offset=int(d.get("step_offset", 0)),
             )
         except (KeyError, TypeError) as exc:

@@ -29,8 +29,10 @@ def main() -> int:
     args = p.parse_args()
 
     request = generate_pb2.GenerateRequest(
-        prompt=args.prompt, max_tokens=args.max_tokens,
-        sampling=generate_pb2.SamplingParams(temperature=args.temperature))
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        sampling=generate_pb2.SamplingParams(temperature=args.temperature),
+    )
     with grpc.insecure_channel(args.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         call = stub.Generate(request, timeout=args.timeout)
@@ -43,8 +45,11 @@ def main() -> int:
                     done = message.complete
                     print(done.text)
                     reason = generate_pb2.FinishReason.Name(done.finish_reason)
-                    print(f"[{reason}: {done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} "
-                          f"completion tokens, {done.timings.total_ns / 1e6:.0f} ms]", file=sys.stderr)
+                    print(
+                        f"[{reason}: {done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} "
+                        f"completion tokens, {done.timings.total_ns / 1e6:.0f} ms]",
+                        file=sys.stderr,
+                    )
                     return 0
                 else:  # a failure after tokens were streamed
                     print(f"\n[error {message.error.code}: {message.error.message}]", file=sys.stderr)

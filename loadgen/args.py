@@ -7,12 +7,21 @@ import argparse
 from pdserve.loadgen.metrics import SLO
 from pdserve.loadgen.mooncake import BLOCK_TOKENS
 from pdserve.loadgen.prompts import PROMPT_SETS, RANDOM_PROMPTS, BlockPrompts, make_prompt_pool, prompt_set_names
-from pdserve.loadgen.workload import (TRACES, RequestSpec, build_workload, clip_lengths, fix_lengths, gamma_arrivals,
-                                    load_trace, poisson_arrivals, sample_conversations, sample_rows, scale_to_rate,
-                                    window)
-from pdserve.worker.flags import (non_negative_float, non_negative_int, positive_float, positive_fraction,
-                                          positive_int)
-
+from pdserve.loadgen.workload import (
+    TRACES,
+    RequestSpec,
+    build_workload,
+    clip_lengths,
+    fix_lengths,
+    gamma_arrivals,
+    load_trace,
+    poisson_arrivals,
+    sample_conversations,
+    sample_rows,
+    scale_to_rate,
+    window,
+)
+from pdserve.worker.flags import non_negative_float, non_negative_int, positive_float, positive_fraction, positive_int
 
 DEFAULT_PROMPTS = "sharegpt,belle-zh"
 
@@ -30,31 +39,61 @@ def prompt_sets(text: str) -> str:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """Flags that define the requests (shared by bench and compare)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--arrival", choices=["trace", "poisson", "gamma"], default=None,
-                   help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: "
-                        "synthetic at --rate; default trace, or poisson when no datasets folder is found and "
-                        "neither --trace nor a prompt set is named (a synthetic workload)")
-    g.add_argument("--trace", default=None,
-                   help=f"{', '.join(TRACES)}, a CSV path or a Mooncake .jsonl path; also the length source "
-                        f"(default azure-conv); mooncake traces also shape shared prompt prefixes")
+    g.add_argument(
+        "--arrival",
+        choices=["trace", "poisson", "gamma"],
+        default=None,
+        help="trace: the trace's own timestamps (scaled to --rate when given); poisson/gamma: "
+        "synthetic at --rate; default trace, or poisson when no datasets folder is found and "
+        "neither --trace nor a prompt set is named (a synthetic workload)",
+    )
+    g.add_argument(
+        "--trace",
+        default=None,
+        help=f"{', '.join(TRACES)}, a CSV path or a Mooncake .jsonl path; also the length source "
+        f"(default azure-conv); mooncake traces also shape shared prompt prefixes",
+    )
     g.add_argument("--trace-start", type=non_negative_float, default=0.0, help="window start in the trace, s")
     g.add_argument("--duration", type=positive_float, default=None, help="window length in the trace, s")
     g.add_argument("--num-requests", type=positive_int, default=20, help="requests to send (cut of the window)")
     g.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier")
-    g.add_argument("--conversation-sample", type=positive_fraction, default=None, metavar="RATE",
-                   help="Mooncake: keep this fraction of conversations, all their turns (hashed, --seed), "
-                        "before the window; a short run keeps the trace's prefix reuse")
-    g.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply trace token counts (fit small hardware)")
+    g.add_argument(
+        "--conversation-sample",
+        type=positive_fraction,
+        default=None,
+        metavar="RATE",
+        help="Mooncake: keep this fraction of conversations, all their turns (hashed, --seed), "
+        "before the window; a short run keeps the trace's prefix reuse",
+    )
+    g.add_argument(
+        "--length-scale", type=positive_float, default=1.0, help="multiply trace token counts (fit small hardware)"
+    )
     g.add_argument("--max-input-tokens", type=positive_int, default=None)
     g.add_argument("--max-output-tokens", type=positive_int, default=None)
-    g.add_argument("--input-len", type=positive_int, default=None,
-                   help="every prompt exactly this many tokens (instead of the trace's lengths; not scaled)")
-    g.add_argument("--output-len", type=positive_int, default=None,
-                   help="every request exactly this many output tokens (instead of the trace's; not scaled)")
-    g.add_argument("--prompts", type=prompt_sets, default=None,
-                   help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}; or {RANDOM_PROMPTS} "
-                        f"(random token ids, no dataset needed); default {DEFAULT_PROMPTS}")
-    g.add_argument("--datasets-dir", default=None, help="folder with the datasets (default: ./shared/datasets or ../shared/datasets)")
+    g.add_argument(
+        "--input-len",
+        type=positive_int,
+        default=None,
+        help="every prompt exactly this many tokens (instead of the trace's lengths; not scaled)",
+    )
+    g.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=None,
+        help="every request exactly this many output tokens (instead of the trace's; not scaled)",
+    )
+    g.add_argument(
+        "--prompts",
+        type=prompt_sets,
+        default=None,
+        help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)}; or {RANDOM_PROMPTS} "
+        f"(random token ids, no dataset needed); default {DEFAULT_PROMPTS}",
+    )
+    g.add_argument(
+        "--datasets-dir",
+        default=None,
+        help="folder with the datasets (default: ./shared/datasets or ../shared/datasets)",
+    )
     g.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -116,10 +155,12 @@ def fall_back_without_datasets(args) -> str | None:
     args.prompts = RANDOM_PROMPTS
     args.input_len = args.input_len or SYNTHETIC_INPUT_LEN
     args.output_len = args.output_len or SYNTHETIC_OUTPUT_LEN
-    return (f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS, ./shared/datasets or ../shared/datasets): running a "
-            f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
-            f"{args.output_len} output tokens each (trace options such as --length-scale do not apply); name "
-            f"--trace, --arrival trace or a prompt set to insist on a dataset")
+    return (
+        f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS, ./shared/datasets or ../shared/datasets): running a "
+        f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
+        f"{args.output_len} output tokens each (trace options such as --length-scale do not apply); name "
+        f"--trace, --arrival trace or a prompt set to insist on a dataset"
+    )
 
 
 def _load_trace(args):
@@ -130,8 +171,9 @@ def _load_trace(args):
     except FileNotFoundError as exc:
         needs = []
         if args.arrival == "trace":
-            needs.append("its arrival times (--arrival trace, the default; --arrival poisson with --rate needs "
-                         "no trace)")
+            needs.append(
+                "its arrival times (--arrival trace, the default; --arrival poisson with --rate needs no trace)"
+            )
         if args.input_len is None or args.output_len is None:
             needs.append("its request lengths (--input-len with --output-len needs no trace)")
         raise FileNotFoundError(f"{exc}. The trace {args.trace} is read for {' and '.join(needs)}") from None
@@ -150,12 +192,15 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
     if args.arrival == "trace" or not fixed:
         rows = sample_conversations(_load_trace(args), args.conversation_sample, args.seed)
         if not rows and args.conversation_sample is not None:
-            raise ValueError(f"--conversation-sample {args.conversation_sample:g} (--seed {args.seed}) kept no "
-                             f"requests of the trace; take a larger fraction")
+            raise ValueError(
+                f"--conversation-sample {args.conversation_sample:g} (--seed {args.seed}) kept no "
+                f"requests of the trace; take a larger fraction"
+            )
         rows = window(rows, args.trace_start, args.duration, args.num_requests)
         if not rows:
-            raise ValueError(f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) "
-                             f"holds no requests")
+            raise ValueError(
+                f"the trace window (--trace-start {args.trace_start:g}, --duration {args.duration}) holds no requests"
+            )
     if args.arrival == "trace":
         if rate:
             rows = scale_to_rate(rows, rate)
@@ -164,14 +209,22 @@ def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list
         if not rate:
             raise ValueError(f"--arrival {args.arrival} needs --rate")
         n = args.num_requests
-        arrivals = (poisson_arrivals(rate, n, args.seed) if args.arrival == "poisson"
-                    else gamma_arrivals(rate, n, args.burstiness, args.seed))
+        arrivals = (
+            poisson_arrivals(rate, n, args.seed)
+            if args.arrival == "poisson"
+            else gamma_arrivals(rate, n, args.burstiness, args.seed)
+        )
         rows = None if fixed else sample_rows(rows, n, args.seed)
-    lengths = ([(args.input_len, args.output_len)] * len(arrivals) if rows is None
-               else [(r.input_tokens, r.output_tokens) for r in rows])
+    lengths = (
+        [(args.input_len, args.output_len)] * len(arrivals)
+        if rows is None
+        else [(r.input_tokens, r.output_tokens) for r in rows]
+    )
     if not fixed:
-        lengths = [clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens,
-                                args.max_output_tokens) for i, o in lengths]
+        lengths = [
+            clip_lengths(i, o, max_model_len, args.length_scale, args.max_input_tokens, args.max_output_tokens)
+            for i, o in lengths
+        ]
     lengths = fix_lengths(lengths, max_model_len, args.input_len, args.output_len)
     pool = make_prompt_pool(args.prompts, tokenizer, args.seed, args.datasets_dir)
     if rows is None or not any(r.hash_ids for r in rows):

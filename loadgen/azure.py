@@ -3,6 +3,7 @@ row, ``TIMESTAMP,ContextTokens,GeneratedTokens``, wall-clock times with 7 fracti
 
 Pure standard library; never imports torch or ray.
 """
+
 from __future__ import annotations
 
 import csv

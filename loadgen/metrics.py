@@ -23,8 +23,9 @@ All times are seconds relative to the start of the run (``time.perf_counter`` ba
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,12 +92,18 @@ class RequestRecord:
         """Every field plus the derived metrics, JSON-safe (nan -> None)."""
         d = asdict(self)
         d["token_times_s"] = list(self.token_times_s)
-        d.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s, itl_s=self.itl_s,
-                 output_tokens=self.output_tokens, ok=self.ok)
+        d.update(
+            ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s,
+            e2e_s=self.e2e_s,
+            itl_s=self.itl_s,
+            output_tokens=self.output_tokens,
+            ok=self.ok,
+        )
         return json_safe(d)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RequestRecord":
+    def from_json(cls, d: dict) -> RequestRecord:
         """Inverse of :meth:`to_json` (derived keys are ignored)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -136,8 +143,15 @@ def stats(values: Iterable[float]) -> dict:
     if not a.size:
         return {"mean": NAN, "p50": NAN, "p90": NAN, "p99": NAN, "min": NAN, "max": NAN, "count": 0}
     p50, p90, p99 = (float(x) for x in np.percentile(a, [50, 90, 99]))
-    return {"mean": float(a.mean()), "p50": p50, "p90": p90, "p99": p99,
-            "min": float(a.min()), "max": float(a.max()), "count": int(a.size)}
+    return {
+        "mean": float(a.mean()),
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "count": int(a.size),
+    }
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -163,8 +177,7 @@ def _rate(count: float, duration_s: float, requests: int) -> float:
     return count / duration_s
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
-              duration_s: float | None = None) -> dict:
+def summarize(records: Sequence[RequestRecord], slo: SLO | None = None, duration_s: float | None = None) -> dict:
     """Aggregate metrics of one run.
 
     Latency stats (TTFT, TPOT, pooled ITL, E2E) and the server-side breakdown cover the ok
@@ -216,8 +229,9 @@ def _hit_rate(hit: int, query: int) -> float:
     return hit / query if query else NAN
 
 
-def prefix_cache_report(before: Sequence[WorkerPrefixCounters] | None,
-                        after: Sequence[WorkerPrefixCounters] | None) -> dict | None:
+def prefix_cache_report(
+    before: Sequence[WorkerPrefixCounters] | None, after: Sequence[WorkerPrefixCounters] | None
+) -> dict | None:
     """Each worker's prefix-cache hit rate over a run, from snapshots ``before`` and ``after`` it.
 
     Workers are matched by address; one only in ``after`` (it replaced a worker during the run) or
@@ -237,8 +251,15 @@ def prefix_cache_report(before: Sequence[WorkerPrefixCounters] | None,
             query, hit = w.query_tokens - b.query_tokens, w.hit_tokens - b.hit_tokens
         else:  # started or restarted during the run
             query, hit = w.query_tokens, w.hit_tokens
-        workers.append({"role": w.role, "address": w.address, "query_tokens": query, "hit_tokens": hit,
-                        "hit_rate": _hit_rate(hit, query)})
+        workers.append(
+            {
+                "role": w.role,
+                "address": w.address,
+                "query_tokens": query,
+                "hit_tokens": hit,
+                "hit_rate": _hit_rate(hit, query),
+            }
+        )
     query, hit = sum(w["query_tokens"] for w in workers), sum(w["hit_tokens"] for w in workers)
     return {"workers": workers, "query_tokens": query, "hit_tokens": hit, "hit_rate": _hit_rate(hit, query)}
 
@@ -255,7 +276,7 @@ def prefix_reuse_ceiling(prompts: Sequence[Sequence[int]], block_size: int = 16)
     for ids in prompts:
         keys, key = [], 0
         for start in range(0, len(ids) - block_size + 1, block_size):
-            key = hash((key, tuple(ids[start:start + block_size])))  # chained on the blocks before it
+            key = hash((key, tuple(ids[start : start + block_size])))  # chained on the blocks before it
             keys.append(key)
         hit += block_size * next((i for i, k in enumerate(keys) if k not in seen), len(keys))
         total += len(ids)
@@ -267,8 +288,10 @@ def format_prefix_cache(report: dict | None) -> str:
     """Lines for the printed summary: each worker's hit rate (``n/a`` where it admitted no prompt),
     then all workers', or one ``n/a`` line with the reason when there is no ``report``."""
     if report is None:
-        return ("prefix cache hit rate: n/a (per-worker stats need pdserve's gRPC API and the cluster secret "
-                "in $PDSERVE_CLUSTER_SECRET)")
+        return (
+            "prefix cache hit rate: n/a (per-worker stats need pdserve's gRPC API and the cluster secret "
+            "in $PDSERVE_CLUSTER_SECRET)"
+        )
 
     def rate(d: dict) -> str:
         if not d["query_tokens"]:
@@ -278,7 +301,9 @@ def format_prefix_cache(report: dict | None) -> str:
     lines = [f"  {w['role']} {w['address']}: {rate(w)}" for w in report["workers"]]
     lines.append(f"  all workers: {rate(report)}")
     if report.get("ceiling") is not None:
-        lines.append(f"  ceiling of these prompts (an infinite cache of 16-token blocks): {report['ceiling'] * 100:.1f}%")
+        lines.append(
+            f"  ceiling of these prompts (an infinite cache of 16-token blocks): {report['ceiling'] * 100:.1f}%"
+        )
     return "\n".join(["prefix cache hit rate (cached / admitted prompt tokens):", *lines])
 
 

@@ -10,6 +10,7 @@ spreads the requests of a bucket evenly over it.
 
 Pure standard library; never imports torch or ray.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,11 +18,10 @@ import itertools
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-__all__ = ["BLOCK_TOKENS", "CONVERSATION_KEY_BLOCKS", "in_conversation_sample", "read_mooncake_trace",
-           "spread_ties"]
+__all__ = ["BLOCK_TOKENS", "CONVERSATION_KEY_BLOCKS", "in_conversation_sample", "read_mooncake_trace", "spread_ties"]
 
 BLOCK_TOKENS = 512  # prompt tokens named by one hash id
 CONVERSATION_KEY_BLOCKS = 2  # the leading hash ids that name a request's conversation (see in_conversation_sample)

@@ -9,8 +9,8 @@ so nothing global is touched and nothing is ever shown on screen.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -94,8 +94,7 @@ def plot_cdfs(runs: Runs, out_path, slo: SLO | None = None) -> Path:
                 ax.step(xs, ys, where="post", color=colors[name], label=f"{name} (n={xs.size})")
                 drawn = True
             if limit is not None:
-                ax.axvline(limit * 1e3, color="black", linestyle="--", linewidth=1,
-                           label=f"SLO {limit * 1e3:.0f} ms")
+                ax.axvline(limit * 1e3, color="black", linestyle="--", linewidth=1, label=f"SLO {limit * 1e3:.0f} ms")
             if not drawn:
                 _no_data(ax, "no completed requests")
             rate_txt = "no runs" if math.isnan(rate) else f"{rate:g} req/s"
@@ -170,13 +169,24 @@ def plot_breakdown(summaries: Summaries, out_path) -> Path:
             bottom = 0.0
             for key, v in zip(BREAKDOWN_KEYS, values):
                 v = v if math.isfinite(v) else 0.0
-                ax.bar(x, v, width * 0.95, bottom=bottom, color=_BREAKDOWN_COLORS[key], hatch=hatch,
-                       edgecolor="black", linewidth=0.5)
+                ax.bar(
+                    x,
+                    v,
+                    width * 0.95,
+                    bottom=bottom,
+                    color=_BREAKDOWN_COLORS[key],
+                    hatch=hatch,
+                    edgecolor="black",
+                    linewidth=0.5,
+                )
                 bottom += v
-    handles = [Patch(facecolor=_BREAKDOWN_COLORS[k], edgecolor="black", label=_BREAKDOWN_LABELS[k])
-               for k in BREAKDOWN_KEYS]  # legend: components by colour, placements by hatch
-    handles += [Patch(facecolor="white", edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=name)
-                for i, name in enumerate(names)]
+    handles = [
+        Patch(facecolor=_BREAKDOWN_COLORS[k], edgecolor="black", label=_BREAKDOWN_LABELS[k]) for k in BREAKDOWN_KEYS
+    ]  # legend: components by colour, placements by hatch
+    handles += [
+        Patch(facecolor="white", edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=name)
+        for i, name in enumerate(names)
+    ]
     if not rates:
         _no_data(ax)
     ax.set_xticks(range(len(rates)), [f"{r:g} req/s" for r in rates])

@@ -16,19 +16,29 @@ are shared prefixes on the server.
 
 Torch-free: only :mod:`pdserve.engine.text.tokenizer` (``tokenizers``) and the standard library.
 """
+
 from __future__ import annotations
 
 import gzip
 import json
 import random
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
-from pdserve.loadgen.workload import dataset_file
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.workload import dataset_file
 
-__all__ = ["PROMPT_SETS", "RANDOM_PROMPTS", "load_prompts", "PromptPool", "RandomPromptPool", "BlockPrompts",
-           "prompt_set_names", "make_prompt_pool"]
+__all__ = [
+    "PROMPT_SETS",
+    "RANDOM_PROMPTS",
+    "load_prompts",
+    "PromptPool",
+    "RandomPromptPool",
+    "BlockPrompts",
+    "prompt_set_names",
+    "make_prompt_pool",
+]
 
 RANDOM_PROMPTS = "random"  # synthetic prompts: random token ids, no dataset
 
@@ -56,6 +66,7 @@ def _texts(values: Iterable[Any]) -> list[str]:
 def _field(relative: str, key: str) -> Callable[..., list[str]]:
     def load(datasets_dir: str | Path | None = None) -> list[str]:
         return _texts(row.get(key) for row in _json_lines(dataset_file(relative, datasets_dir)))
+
     return load
 
 
@@ -63,6 +74,7 @@ def _first_turn(relative: str) -> Callable[..., list[str]]:
     def load(datasets_dir: str | Path | None = None) -> list[str]:
         rows = _json_lines(dataset_file(relative, datasets_dir))
         return _texts(row["turns"][0] for row in rows if isinstance(row.get("turns"), list) and row["turns"])
+
     return load
 
 
@@ -72,15 +84,22 @@ def _sharegpt(datasets_dir: str | Path | None = None) -> list[str]:
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON array of conversations")
-    firsts = (next((t.get("value") for t in row.get("conversations", []) if isinstance(t, dict)
-                    and t.get("from") == "human"), None) for row in data if isinstance(row, dict))
+    firsts = (
+        next(
+            (t.get("value") for t in row.get("conversations", []) if isinstance(t, dict) and t.get("from") == "human"),
+            None,
+        )
+        for row in data
+        if isinstance(row, dict)
+    )
     return _texts(firsts)
 
 
 def _arena_hard(datasets_dir: str | Path | None = None) -> list[str]:
     """Arena-Hard v0.1 and v2.0 prompts (the zh subset is part of v2.0, so not added again)."""
-    return (_field("arena_hard/arena-hard-v0.1_question.jsonl", "prompt")(datasets_dir)
-            + _field("arena_hard/arena-hard-v2.0_question.jsonl", "prompt")(datasets_dir))
+    return _field("arena_hard/arena-hard-v0.1_question.jsonl", "prompt")(datasets_dir) + _field(
+        "arena_hard/arena-hard-v2.0_question.jsonl", "prompt"
+    )(datasets_dir)
 
 
 PROMPT_SETS: dict[str, Callable[..., list[str]]] = {
@@ -117,7 +136,7 @@ def _special_prefix(tokenizer: Tokenizer) -> tuple[int, ...]:
     probe = "Hello"
     full, plain = tokenizer.encode(probe), tokenizer.encode(probe, add_special_tokens=False)
     for i in range(len(full) - len(plain) + 1):
-        if full[i:i + len(plain)] == plain:
+        if full[i : i + len(plain)] == plain:
             return tuple(full[:i])
     return ()
 
@@ -132,8 +151,9 @@ class PromptPool:
     ``n`` ids are reached.  Tokenizations are cached per prompt.
     """
 
-    def __init__(self, prompts: list[tuple[str, str]], tokenizer: Tokenizer, seed: int, *,
-                 separator: str = "\n\n") -> None:
+    def __init__(
+        self, prompts: list[tuple[str, str]], tokenizer: Tokenizer, seed: int, *, separator: str = "\n\n"
+    ) -> None:
         if not prompts:
             raise ValueError("PromptPool needs at least one prompt")
         self.prompts = list(prompts)
@@ -268,15 +288,17 @@ def prompt_set_names(names: str | Sequence[str]) -> list[str]:
     valid = [*PROMPT_SETS, RANDOM_PROMPTS]
     unknown = [n for n in names if n not in valid]
     if unknown or not names:
-        raise ValueError(f"unknown prompt set(s) {', '.join(unknown) if unknown else 'none given'}; "
-                         f"valid: {', '.join(valid)}")
+        raise ValueError(
+            f"unknown prompt set(s) {', '.join(unknown) if unknown else 'none given'}; valid: {', '.join(valid)}"
+        )
     if RANDOM_PROMPTS in names and len(set(names)) > 1:
         raise ValueError(f"--prompts {RANDOM_PROMPTS} cannot be mixed with prompt sets, got {','.join(names)}")
     return names
 
 
-def make_prompt_pool(names: str | Sequence[str], tokenizer: Tokenizer, seed: int,
-                     datasets_dir: str | Path | None = None) -> PromptPool | RandomPromptPool:
+def make_prompt_pool(
+    names: str | Sequence[str], tokenizer: Tokenizer, seed: int, datasets_dir: str | Path | None = None
+) -> PromptPool | RandomPromptPool:
     """The pool for ``--prompts``: comma-separated prompt-set names, or ``random`` alone.
 
     ValueError (from :func:`prompt_set_names`, before any file is read) for an unknown name or

@@ -8,19 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from pdserve.loadgen.targets import Backend
 from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.targets import Backend
 from pdserve.loadgen.workload import RequestSpec
 
 
-async def _one(backend: Backend, spec: RequestSpec, run_id: str, t0: float, timeout_s: float,
-               temperature: float) -> RequestRecord:
+async def _one(
+    backend: Backend, spec: RequestSpec, run_id: str, t0: float, timeout_s: float, temperature: float
+) -> RequestRecord:
     sent = time.perf_counter() - t0
-    rec = RequestRecord(index=spec.index, request_id=f"{run_id}-{spec.index}", scheduled_s=spec.send_at_s,
-                        sent_s=sent, prompt_tokens=len(spec.prompt_token_ids), max_tokens=spec.max_tokens,
-                        token_times_s=[], finish_reason="")
+    rec = RequestRecord(
+        index=spec.index,
+        request_id=f"{run_id}-{spec.index}",
+        scheduled_s=spec.send_at_s,
+        sent_s=sent,
+        prompt_tokens=len(spec.prompt_token_ids),
+        max_tokens=spec.max_tokens,
+        token_times_s=[],
+        finish_reason="",
+    )
     try:
         await backend.send(spec, rec, t0, timeout_s, temperature)
     except asyncio.CancelledError:
@@ -28,10 +36,17 @@ async def _one(backend: Backend, spec: RequestSpec, run_id: str, t0: float, time
     return rec
 
 
-async def run_load(backend: Backend, specs: Sequence[RequestSpec], *, run_id: str = "bench",
-                   request_timeout_s: float = 300.0, max_duration_s: float = 600.0, temperature: float = 0.0,
-                   stop: asyncio.Event | None = None,
-                   on_record: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+async def run_load(
+    backend: Backend,
+    specs: Sequence[RequestSpec],
+    *,
+    run_id: str = "bench",
+    request_timeout_s: float = 300.0,
+    max_duration_s: float = 600.0,
+    temperature: float = 0.0,
+    stop: asyncio.Event | None = None,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
     """Send ``specs`` to ``backend`` (entered already) on schedule (``send_at_s`` after the start) and
     collect one record each.
 
@@ -71,8 +86,9 @@ async def run_load(backend: Backend, specs: Sequence[RequestSpec], *, run_id: st
         remaining = deadline - time.perf_counter()
         if remaining <= 0 or stop.is_set():
             break
-        await asyncio.wait([sender, stopper, *pending], timeout=min(remaining, 1.0),
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [sender, stopper, *pending], timeout=min(remaining, 1.0), return_when=asyncio.FIRST_COMPLETED
+        )
     sender.cancel()
     stopper.cancel()
     for t in tasks:
@@ -81,8 +97,9 @@ async def run_load(backend: Backend, specs: Sequence[RequestSpec], *, run_id: st
     return sorted(records, key=lambda r: r.index)
 
 
-async def unloaded_latency(backend: Backend, specs: Sequence[RequestSpec], repeats: int = 3,
-                           temperature: float = 0.0) -> tuple[float, float]:
+async def unloaded_latency(
+    backend: Backend, specs: Sequence[RequestSpec], repeats: int = 3, temperature: float = 0.0
+) -> tuple[float, float]:
     """Median TTFT and TPOT (seconds) of requests sent one at a time (after one warm-up request).
 
     Used to derive default SLOs. Raises RuntimeError when every request failed.
@@ -101,5 +118,3 @@ async def unloaded_latency(backend: Backend, specs: Sequence[RequestSpec], repea
     ttfts.sort()
     tpots.sort()
     return ttfts[len(ttfts) // 2], (tpots[len(tpots) // 2] if tpots else float("nan"))
-
-

@@ -25,8 +25,8 @@ import httpx
 
 from pdserve.loadgen.metrics import RequestRecord, WorkerPrefixCounters
 from pdserve.loadgen.workload import RequestSpec
-from pdserve.rpc.auth import cluster_secret, internal_channel
 from pdserve.router.client import FINISH_NAMES, Client, make_request
+from pdserve.rpc.auth import cluster_secret, internal_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -44,14 +44,15 @@ class ServerInfo:
 class Backend(Protocol):
     name: str
 
-    async def __aenter__(self) -> "Backend": ...
+    async def __aenter__(self) -> Backend: ...
 
     async def __aexit__(self, *exc) -> None: ...
 
     async def info(self) -> ServerInfo: ...
 
-    async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float, timeout_s: float,
-                   temperature: float) -> None:
+    async def send(
+        self, spec: RequestSpec, rec: RequestRecord, t0: float, timeout_s: float, temperature: float
+    ) -> None:
         """Send ``spec`` as exactly ``spec.max_tokens`` tokens (``ignore_eos``, seed = its index)
         and record into ``rec`` (times relative to ``t0``, a ``time.perf_counter`` value)."""
         ...
@@ -70,7 +71,7 @@ class GrpcBackend:
         self.address = address
         self.client = Client(address, api_key)
 
-    async def __aenter__(self) -> "GrpcBackend":
+    async def __aenter__(self) -> GrpcBackend:
         await self.client.__aenter__()
         return self
 
@@ -88,8 +89,7 @@ class GrpcBackend:
 
         async def one(w) -> WorkerPrefixCounters:
             async with internal_channel(w.address, None) as channel:  # carries the secret
-                s = await worker_pb2_grpc.WorkerServiceStub(channel).GetStats(worker_pb2.GetStatsRequest(),
-                                                                              timeout=5.0)
+                s = await worker_pb2_grpc.WorkerServiceStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5.0)
             return WorkerPrefixCounters(w.role, w.address, s.prefix_query_tokens, s.prefix_hit_tokens)
 
         try:
@@ -101,8 +101,15 @@ class GrpcBackend:
             return None
 
     async def send(self, spec, rec, t0, timeout_s, temperature) -> None:
-        req = make_request("", prompt_token_ids=list(spec.prompt_token_ids), max_tokens=spec.max_tokens,
-                           temperature=temperature, seed=spec.index, ignore_eos=True, request_id=rec.request_id)
+        req = make_request(
+            "",
+            prompt_token_ids=list(spec.prompt_token_ids),
+            max_tokens=spec.max_tokens,
+            temperature=temperature,
+            seed=spec.index,
+            ignore_eos=True,
+            request_id=rec.request_id,
+        )
         try:
             async for msg in self.client.stream(req, timeout=timeout_s):
                 now = time.perf_counter() - t0
@@ -132,10 +139,14 @@ class OpenAIBackend:
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None) -> None:
         self.url, self.model = url.rstrip("/"), model
         headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0), headers=headers,
-                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(None, connect=10.0),
+            headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
 
-    async def __aenter__(self) -> "OpenAIBackend":
+    async def __aenter__(self) -> OpenAIBackend:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -162,9 +173,16 @@ class OpenAIBackend:
         return None
 
     async def send(self, spec, rec, t0, timeout_s, temperature) -> None:
-        body = {"model": self.model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
-                "temperature": temperature, "seed": spec.index, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": list(spec.prompt_token_ids),
+            "max_tokens": spec.max_tokens,
+            "temperature": temperature,
+            "seed": spec.index,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         events: list[float] = []
         usage: dict = {}
 

@@ -9,14 +9,16 @@ prompt blocks.  :func:`build_workload` joins a schedule and lengths with prompt 
 
 Pure standard library + numpy; never imports torch or ray.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,15 +28,30 @@ from pdserve.loadgen.mooncake import in_conversation_sample, read_mooncake_trace
 if TYPE_CHECKING:
     from pdserve.loadgen.prompts import BlockPrompts, PromptPool
 
-__all__ = ["TraceRow", "TRACES", "RequestSpec", "resolve_datasets_dir", "dataset_file", "load_trace",
-           "window", "scale_to_rate", "poisson_arrivals", "gamma_arrivals", "clip_lengths",
-           "sample_rows", "fix_lengths", "build_workload"]
+__all__ = [
+    "TraceRow",
+    "TRACES",
+    "RequestSpec",
+    "resolve_datasets_dir",
+    "dataset_file",
+    "load_trace",
+    "window",
+    "scale_to_rate",
+    "poisson_arrivals",
+    "gamma_arrivals",
+    "clip_lengths",
+    "sample_rows",
+    "fix_lengths",
+    "build_workload",
+]
 
 DATASETS_ENV = "PDSERVE_DATASETS"
-TRACES = {"azure-conv": "azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv",
-          "azure-code": "azure_llm_trace_2023/AzureLLMInferenceTrace_code.csv",
-          "mooncake-conversation": "mooncake_fast25_traces/conversation_trace.jsonl",
-          "mooncake-synthetic": "mooncake_fast25_traces/synthetic_trace.jsonl"}
+TRACES = {
+    "azure-conv": "azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "azure_llm_trace_2023/AzureLLMInferenceTrace_code.csv",
+    "mooncake-conversation": "mooncake_fast25_traces/conversation_trace.jsonl",
+    "mooncake-synthetic": "mooncake_fast25_traces/synthetic_trace.jsonl",
+}
 
 
 @dataclass(frozen=True)
@@ -69,8 +86,11 @@ def resolve_datasets_dir(datasets_dir: str | Path | None = None) -> Path:
 
 def default_datasets_dirs() -> list[Path]:
     """Where the datasets folder is looked for when neither a folder nor ``$PDSERVE_DATASETS`` is given."""
-    return [Path(__file__).resolve().parent.parent.parent / "shared" / "datasets",
-            Path.cwd() / "shared" / "datasets", Path.cwd().parent / "shared" / "datasets"]
+    return [
+        Path(__file__).resolve().parent.parent.parent / "shared" / "datasets",
+        Path.cwd() / "shared" / "datasets",
+        Path.cwd().parent / "shared" / "datasets",
+    ]
 
 
 def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
@@ -81,11 +101,13 @@ def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
         raise FileNotFoundError(
             f"dataset file {relative} not found: no datasets folder at "
             f"{', '.join(str(c) for c in searched)}; point at it with --datasets-dir "
-            f"(or the {DATASETS_ENV} environment variable)")
+            f"(or the {DATASETS_ENV} environment variable)"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"dataset file {path} not found; point at the datasets folder with --datasets-dir "
-            f"(or the {DATASETS_ENV} environment variable)")
+            f"(or the {DATASETS_ENV} environment variable)"
+        )
     return path
 
 
@@ -103,14 +125,17 @@ def load_trace(name_or_path: str, datasets_dir: str | Path | None = None) -> lis
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise FileNotFoundError(f"trace {name_or_path!r} is neither a file nor one of {sorted(TRACES)}; "
-                                    f"point at the datasets folder with --datasets-dir")
+            raise FileNotFoundError(
+                f"trace {name_or_path!r} is neither a file nor one of {sorted(TRACES)}; "
+                f"point at the datasets folder with --datasets-dir"
+            )
     read = read_mooncake_trace if path.suffix == ".jsonl" else read_azure_trace
     return [TraceRow(*row) for row in read(path)]
 
 
-def window(rows: Sequence[TraceRow], start_s: float = 0.0, duration_s: float | None = None,
-           max_requests: int | None = None) -> list[TraceRow]:
+def window(
+    rows: Sequence[TraceRow], start_s: float = 0.0, duration_s: float | None = None, max_requests: int | None = None
+) -> list[TraceRow]:
     """Rows with ``start_s <= t < start_s + duration_s``, re-based so the first kept row is at t=0,
     then cut to the first ``max_requests``.  ``duration_s=None`` means to the end of the trace."""
     if duration_s is not None and duration_s < 0:
@@ -190,8 +215,14 @@ def gamma_arrivals(rate: float, n: int, burstiness: float, seed: int) -> list[fl
     return _cumulative(gaps)
 
 
-def clip_lengths(input_tokens: int, output_tokens: int, max_model_len: int, length_scale: float = 1.0,
-                 max_input_tokens: int | None = None, max_output_tokens: int | None = None) -> tuple[int, int]:
+def clip_lengths(
+    input_tokens: int,
+    output_tokens: int,
+    max_model_len: int,
+    length_scale: float = 1.0,
+    max_input_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> tuple[int, int]:
     """(input, output) lengths that fit the model.
 
     Both are scaled by ``length_scale`` (Python ``round``, at least 1), capped by
@@ -227,8 +258,9 @@ def sample_rows(rows: Sequence[TraceRow], n: int, seed: int) -> list[TraceRow]:
     return random.Random(seed).choices(rows, k=n)
 
 
-def fix_lengths(lengths: Sequence[tuple[int, int]], max_model_len: int, input_len: int | None = None,
-                output_len: int | None = None) -> list[tuple[int, int]]:
+def fix_lengths(
+    lengths: Sequence[tuple[int, int]], max_model_len: int, input_len: int | None = None, output_len: int | None = None
+) -> list[tuple[int, int]]:
     """``lengths`` with the input and/or the output replaced by a fixed count, kept exact.
 
     A side without a fixed count keeps its (already clipped) length, trimmed (down to 1) so the
@@ -239,8 +271,10 @@ def fix_lengths(lengths: Sequence[tuple[int, int]], max_model_len: int, input_le
             raise ValueError(f"{name} must be >= 1, got {value}")
     need = (input_len or 1) + (output_len or 1)
     if need > max_model_len:
-        raise ValueError(f"fixed lengths (input {input_len}, output {output_len}) need {need} tokens, "
-                         f"more than the model's {max_model_len}")
+        raise ValueError(
+            f"fixed lengths (input {input_len}, output {output_len}) need {need} tokens, "
+            f"more than the model's {max_model_len}"
+        )
     out = []
     for inp, outp in lengths:
         if input_len is not None:
@@ -255,8 +289,13 @@ def fix_lengths(lengths: Sequence[tuple[int, int]], max_model_len: int, input_le
     return out
 
 
-def build_workload(arrivals: Sequence[float], lengths: Sequence[tuple[int, int]], prompts: PromptPool | BlockPrompts,
-                   seed: int, hash_ids: Sequence[Sequence[int]] | None = None) -> list[RequestSpec]:
+def build_workload(
+    arrivals: Sequence[float],
+    lengths: Sequence[tuple[int, int]],
+    prompts: PromptPool | BlockPrompts,
+    seed: int,
+    hash_ids: Sequence[Sequence[int]] | None = None,
+) -> list[RequestSpec]:
     """Zip send times with (input, output) lengths; each prompt is exactly ``input`` ids from ``prompts``.
 
     With ``hash_ids`` (one sequence per request, from a Mooncake trace) ``prompts`` is a

@@ -59,8 +59,10 @@ class GrpcKvSender:
             channel = internal_channel(target, GRPC_OPTIONS)
             self._channels.append(channel)
             call = self._calls[target] = channel.stream_unary(
-                PUSH_KV_METHOD, request_serializer=encode_kv_chunk,
-                response_deserializer=worker_pb2.PushKvResponse.FromString)
+                PUSH_KV_METHOD,
+                request_serializer=encode_kv_chunk,
+                response_deserializer=worker_pb2.PushKvResponse.FromString,
+            )
         return call
 
     async def send_kv(self, target: str, request_id: str, frame: Frame) -> None:
@@ -76,15 +78,21 @@ class GrpcKvSender:
         try:
             await self._push_kv(target)(chunks(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise KvTransferError(f"KV push of {request_id!r} to {target} failed: {exc.code().name}: {exc.details()}",
-                                  exc.code().name, exc.details() or "") from exc
+            raise KvTransferError(
+                f"KV push of {request_id!r} to {target} failed: {exc.code().name}: {exc.details()}",
+                exc.code().name,
+                exc.details() or "",
+            ) from exc
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and getattr(task, "cancelling", lambda: 0)():  # this push itself was cancelled (3.11+)
                 raise
             # grpc.aio ends a call whose deadline passes while it writes chunks with CancelledError
-            raise KvTransferError(f"KV push of {request_id!r} to {target} cancelled by gRPC", "CANCELLED",
-                                  "the push was cancelled (its deadline passed)") from None
+            raise KvTransferError(
+                f"KV push of {request_id!r} to {target} cancelled by gRPC",
+                "CANCELLED",
+                "the push was cancelled (its deadline passed)",
+            ) from None
 
     async def close(self) -> None:
         for channel in self._channels:

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.scheduling.sequence import FinishReason
-from pdserve.worker.host import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.host import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,18 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             payload = None if seq.is_finished else self.engine.extract_kv(seq, self.kv_buffers.take, skip)
             if payload is not None:
                 payload.first_token_unix_ns = wall
-            self.host.streams.put(seq.request_id, PrefillDone(
-                out.token, seq.finish_reason, payload, seq.prefill_start_ns - seq.arrival_ns,
-                seq.prefill_end_ns - seq.prefill_start_ns, wall, seq.num_cached_tokens))
+            self.host.streams.put(
+                seq.request_id,
+                PrefillDone(
+                    out.token,
+                    seq.finish_reason,
+                    payload,
+                    seq.prefill_start_ns - seq.arrival_ns,
+                    seq.prefill_end_ns - seq.prefill_start_ns,
+                    wall,
+                    seq.num_cached_tokens,
+                ),
+            )
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         """The first token; then, while its KV goes to the decode worker, the stream stays open
@@ -88,9 +97,14 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             self._pushes.add(push)
             push.add_done_callback(self._pushes.discard)
         finish = FINISH_TO_PROTO[done.finish] if done.finish else generate_pb2.FINISH_REASON_UNSPECIFIED
-        yield worker_pb2.PrefillResponse(first_token=done.token, finish_reason=finish, queue_ns=done.queue_ns,
-                                         prefill_ns=done.prefill_ns, first_token_unix_ns=done.first_token_unix_ns,
-                                         cached_prompt_tokens=done.cached_prompt_tokens)
+        yield worker_pb2.PrefillResponse(
+            first_token=done.token,
+            finish_reason=finish,
+            queue_ns=done.queue_ns,
+            prefill_ns=done.prefill_ns,
+            first_token_unix_ns=done.first_token_unix_ns,
+            cached_prompt_tokens=done.cached_prompt_tokens,
+        )
         if push is not None:
             failure = await asyncio.shield(push)
             if failure is not None:
@@ -121,10 +135,11 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int
 
     Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
-    from pdserve.worker.host import serve_worker
     from pdserve.prefill_worker.kv_sender import GrpcKvSender
+    from pdserve.worker.host import serve_worker
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "prefill"))
     worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
-    return await serve_worker(worker, worker_pb2_grpc.add_PrefillServiceServicer_to_server,
-                              "pdserve.v1.PrefillService", host, port)
+    return await serve_worker(
+        worker, worker_pb2_grpc.add_PrefillServiceServicer_to_server, "pdserve.v1.PrefillService", host, port
+    )

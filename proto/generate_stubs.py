@@ -37,8 +37,14 @@ def generate(out_dir: Path, root: Path = PROTO_ROOT) -> None:
     from grpc_tools import protoc
 
     (out_dir / PACKAGE).mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{root}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *[(PACKAGE / p.name).as_posix() for p in proto_files(root)]]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{root}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *[(PACKAGE / p.name).as_posix() for p in proto_files(root)],
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 import grpc
 
-from pdserve.v1 import generate_pb2, worker_pb2
 from pdserve.router.kv_lease import LeaseLost, first_while_leased
 from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.validation import ValidatedRequest
+from pdserve.v1 import generate_pb2, worker_pb2
 
 KV_TIMEOUT_S = 300.0  # decode's last-resort wait for a KV; a lost KV lease (kv_lease.py) ends it at once instead
 MAX_MIGRATIONS = 2  # per request
@@ -66,8 +66,9 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // max(block_size, 1))
 
 
-async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_pb2.Timings]
-                        ) -> AsyncIterator[WorkerEvent]:
+async def _token_events(
+    call, final: Callable[[generate_pb2.Timings], generate_pb2.Timings]
+) -> AsyncIterator[WorkerEvent]:
     """A worker's TokenBatch stream as WorkerEvents; ``final(worker_timings)`` gives the timings of
     each batch that carries some (the first, with the phases known then, and the last). A stream
     that ends without a final batch raises INTERNAL."""
@@ -77,15 +78,20 @@ async def _token_events(call, final: Callable[[generate_pb2.Timings], generate_p
             yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
             return
         yield WorkerEvent(list(batch.token_ids), timings=timings)
-    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                               "worker stream ended without a final message")
+    raise grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        "worker stream ended without a final message",
+    )
 
 
 def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
     """A worker went away or a KV push could not reach decode (UNAVAILABLE), or decode's wait
     for the KV ran out."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE or (
-        exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV cache arrived" in (exc.details() or ""))
+        exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no KV cache arrived" in (exc.details() or "")
+    )
 
 
 def _route_wait(timeout: float | None) -> float:
@@ -125,14 +131,16 @@ class SplitBackend:
     so (``prefilled_on_decode``).
     """
 
-    def __init__(self, pool: WorkerPool, on_migrate: Callable[[], None] | None = None,
-                 local_prefill_tokens: int = 0) -> None:
+    def __init__(
+        self, pool: WorkerPool, on_migrate: Callable[[], None] | None = None, local_prefill_tokens: int = 0
+    ) -> None:
         self.pool = pool
         self.on_migrate = on_migrate or (lambda: None)
         self.local_prefill_tokens = local_prefill_tokens
 
-    async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
-                     timeout: float | None) -> AsyncIterator[WorkerEvent]:
+    async def stream(
+        self, req: ValidatedRequest, state: RequestState, t0_ns: int, timeout: float | None
+    ) -> AsyncIterator[WorkerEvent]:
         produced: list[int] = []
         for attempt in range(MAX_MIGRATIONS + 1):
             try:
@@ -141,15 +149,31 @@ class SplitBackend:
                     yield ev
                 return
             except grpc.aio.AioRpcError as exc:
-                if (not _worker_lost(exc) or state.aborted or attempt == MAX_MIGRATIONS
-                        or not await wait_for_workers(self.pool, MIGRATION_WAIT_S)):
+                if (
+                    not _worker_lost(exc)
+                    or state.aborted
+                    or attempt == MAX_MIGRATIONS
+                    or not await wait_for_workers(self.pool, MIGRATION_WAIT_S)
+                ):
                     raise
-                log.warning("request %s: %s after %d tokens; migrating it (attempt %d)", req.request_id,
-                            exc.details(), len(produced), attempt + 1)
+                log.warning(
+                    "request %s: %s after %d tokens; migrating it (attempt %d)",
+                    req.request_id,
+                    exc.details(),
+                    len(produced),
+                    attempt + 1,
+                )
                 self.on_migrate()
 
-    async def _attempt(self, req: ValidatedRequest, produced: list[int], attempt: int, state: RequestState,
-                       t0_ns: int, timeout: float | None) -> AsyncIterator[WorkerEvent]:
+    async def _attempt(
+        self,
+        req: ValidatedRequest,
+        produced: list[int],
+        attempt: int,
+        state: RequestState,
+        t0_ns: int,
+        timeout: float | None,
+    ) -> AsyncIterator[WorkerEvent]:
         """One prefill + decode pass over the prompt and the ``produced`` tokens so far."""
         sampling = worker_pb2.ResolvedSampling()
         sampling.CopyFrom(req.sampling)
@@ -164,8 +188,9 @@ class SplitBackend:
         n, hashes = len(prompt), self.pool.prefix_of(prompt)
         decode_w = self.pool.pick_decode(n, hashes)
         if n - self.pool.cached_tokens(decode_w, n, hashes) <= self.local_prefill_tokens:
-            async for ev in colocated_stream(self.pool, decode_w, request_id, prompt, sampling, state, t0_ns, timeout,
-                                             on_decode=True):
+            async for ev in colocated_stream(
+                self.pool, decode_w, request_id, prompt, sampling, state, t0_ns, timeout, on_decode=True
+            ):
                 yield ev
             return
         prefill_w = self.pool.pick_prefill(n, hashes)
@@ -175,31 +200,47 @@ class SplitBackend:
         prefill_w.active_requests += 1
         decode_w.active_requests += 1
         decode_w.routed_blocks_since_poll += _blocks(n + 1, decode_w.block_size)
-        decode_call = decode_w.decode.Decode(worker_pb2.DecodeRequest(
-            request_id=request_id, kv_timeout_s=KV_TIMEOUT_S, prompt_token_ids=prompt), timeout=timeout)
+        decode_call = decode_w.decode.Decode(
+            worker_pb2.DecodeRequest(request_id=request_id, kv_timeout_s=KV_TIMEOUT_S, prompt_token_ids=prompt),
+            timeout=timeout,
+        )
         state.calls.append(decode_call)
         current, prefill_call = decode_w, None  # whose call a failure comes from
         try:
             # the decode worker now waits for this request's KV, holding the prefix it has cached
             held = dict(await decode_call.initial_metadata()).get(CACHED_TOKENS_KEY, "0")
             t_prefill = time.monotonic_ns()
-            prefill_call = prefill_w.prefill.Prefill(worker_pb2.PrefillRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                decode_address=decode_w.address, kv_skip_tokens=int(held)), timeout=timeout)
+            prefill_call = prefill_w.prefill.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    decode_address=decode_w.address,
+                    kv_skip_tokens=int(held),
+                ),
+                timeout=timeout,
+            )
             state.calls.append(prefill_call)
             try:
                 current = prefill_w
                 first = await prefill_call.read()
                 if first is grpc.aio.EOF:
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               "prefill stream ended without its first token")
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.INTERNAL,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        "prefill stream ended without its first token",
+                    )
                 current = decode_w
             finally:
                 prefill_w.outstanding_prefill_tokens -= n
                 prefill_w.active_requests -= 1
-            timings = generate_pb2.Timings(queue_ns=t_prefill - t0_ns + first.queue_ns, prefill_ns=first.prefill_ns,
-                                           cached_prompt_tokens=first.cached_prompt_tokens,
-                                           router_queue_ns=t_prefill - t0_ns)
+            timings = generate_pb2.Timings(
+                queue_ns=t_prefill - t0_ns + first.queue_ns,
+                prefill_ns=first.prefill_ns,
+                cached_prompt_tokens=first.cached_prompt_tokens,
+                router_queue_ns=t_prefill - t0_ns,
+            )
             if first.finish_reason:
                 yield WorkerEvent([first.first_token], first.finish_reason, timings)
                 return
@@ -227,17 +268,26 @@ class SplitBackend:
             decode_w.active_requests -= 1
 
 
-async def colocated_stream(pool: WorkerPool, w: WorkerHandle, request_id: str, prompt: list[int],
-                           sampling: worker_pb2.ResolvedSampling, state: RequestState, t0_ns: int,
-                           timeout: float | None, on_decode: bool = False) -> AsyncIterator[WorkerEvent]:
+async def colocated_stream(
+    pool: WorkerPool,
+    w: WorkerHandle,
+    request_id: str,
+    prompt: list[int],
+    sampling: worker_pb2.ResolvedSampling,
+    state: RequestState,
+    t0_ns: int,
+    timeout: float | None,
+    on_decode: bool = False,
+) -> AsyncIterator[WorkerEvent]:
     """Both phases of a request on ``w`` through ColocatedService: a colocated worker, or
     (``on_decode``) a decode worker prefilling a short prompt itself."""
     n = len(prompt)
     w.outstanding_prefill_tokens += n
     w.active_requests += 1
     t_send = time.monotonic_ns()
-    call = w.colocated.Generate(worker_pb2.ColocatedRequest(
-        request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=timeout)
+    call = w.colocated.Generate(
+        worker_pb2.ColocatedRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=timeout
+    )
     state.calls.append(call)
     prefilled = False
     produced: list[int] = []
@@ -274,8 +324,9 @@ class ColocatedBackend:
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
 
-    async def stream(self, req: ValidatedRequest, state: RequestState, t0_ns: int,
-                     timeout: float | None) -> AsyncIterator[WorkerEvent]:
+    async def stream(
+        self, req: ValidatedRequest, state: RequestState, t0_ns: int, timeout: float | None
+    ) -> AsyncIterator[WorkerEvent]:
         await wait_for_workers(self.pool, _route_wait(timeout))
         prompt = list(req.prompt_token_ids)
         w = self.pool.pick_colocated(len(prompt), self.pool.prefix_of(prompt))

@@ -40,8 +40,9 @@ def read_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
     model_dir = Path(model_dir)
     cfg_path = model_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
-    specials = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                if (s := _special(cfg.get(k))) is not None}
+    specials = {
+        k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token") if (s := _special(cfg.get(k))) is not None
+    }
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.exists():
         return jinja_file.read_text(encoding="utf-8"), specials
@@ -64,15 +65,16 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self._template = None
         if source is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(source)
 
     @classmethod
-    def from_folder(cls, model_dir: Path) -> "ChatTemplate":
+    def from_folder(cls, model_dir: Path) -> ChatTemplate:
         return cls(*read_template(model_dir))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
@@ -82,10 +84,13 @@ class ChatTemplate:
         messages (its ``raise_exception``, or a Jinja error).
         """
         if self._template is None:
-            raise ChatTemplateError("this model has no chat template (no chat_template in tokenizer_config.json "
-                                    "and no chat_template.jinja); use /v1/completions with a prompt instead")
+            raise ChatTemplateError(
+                "this model has no chat template (no chat_template in tokenizer_config.json "
+                "and no chat_template.jinja); use /v1/completions with a prompt instead"
+            )
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None

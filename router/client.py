@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from pathlib import Path
 
 from pdserve.rpc.auth import API_KEY_ENV, SECRET_HEADER, client_channel
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import generate_pb2 as PB
 from pdserve.v1 import generate_pb2_grpc
 
-FINISH_NAMES = {PB.FINISH_REASON_STOP: "stop", PB.FINISH_REASON_LENGTH: "length",
-                PB.FINISH_REASON_ABORT: "abort", PB.FINISH_REASON_ERROR: "error"}
+FINISH_NAMES = {
+    PB.FINISH_REASON_STOP: "stop",
+    PB.FINISH_REASON_LENGTH: "length",
+    PB.FINISH_REASON_ABORT: "abort",
+    PB.FINISH_REASON_ERROR: "error",
+}
 
 
 @dataclass
@@ -43,17 +47,31 @@ class GenerationResult:
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
 
 
-def make_request(prompt: str, max_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 stop: list[str] | None = None, ignore_eos: bool = False, request_id: str = "",
-                 prompt_token_ids: list[int] | None = None) -> PB.GenerateRequest:
+def make_request(
+    prompt: str,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    ignore_eos: bool = False,
+    request_id: str = "",
+    prompt_token_ids: list[int] | None = None,
+) -> PB.GenerateRequest:
     """A GenerateRequest; unset values take the server defaults."""
     sampling = PB.SamplingParams()
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if value is not None:
             setattr(sampling, name, value)
-    req = PB.GenerateRequest(request_id=request_id, prompt=prompt, sampling=sampling, stop=stop or [],
-                             ignore_eos=ignore_eos, prompt_token_ids=prompt_token_ids or [])
+    req = PB.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        sampling=sampling,
+        stop=stop or [],
+        ignore_eos=ignore_eos,
+        prompt_token_ids=prompt_token_ids or [],
+    )
     if max_tokens is not None:
         req.max_tokens = max_tokens
     return req
@@ -69,20 +87,22 @@ class Client:
         self.channel = client_channel(address, GRPC_OPTIONS, api_key or os.environ.get(API_KEY_ENV) or None, ca)
         self.stub = generate_pb2_grpc.GenerateServiceStub(self.channel)
 
-    async def __aenter__(self) -> "Client":
+    async def __aenter__(self) -> Client:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.channel.close()
 
-    async def stream(self, request: PB.GenerateRequest, timeout: float | None = None
-                     ) -> AsyncIterator[PB.GenerateResponse]:
+    async def stream(
+        self, request: PB.GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[PB.GenerateResponse]:
         """Raw response stream; raises grpc.aio.AioRpcError for a refused request."""
         async for msg in self.stub.Generate(request, timeout=timeout):
             yield msg
 
-    async def generate(self, request: PB.GenerateRequest, timeout: float | None = None, on_text=None
-                       ) -> GenerationResult:
+    async def generate(
+        self, request: PB.GenerateRequest, timeout: float | None = None, on_text=None
+    ) -> GenerationResult:
         """Run a request to its end; ``on_text(str)`` is called with every text delta.
 
         Raises grpc.aio.AioRpcError when the server refuses the request (e.g. INVALID_ARGUMENT).

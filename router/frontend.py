@@ -7,20 +7,20 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import grpc
 
 from pdserve.engine.config import ModelConfig
-from pdserve.rpc.auth import bearer, key_index
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.v1 import generate_pb2
 from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
-from pdserve.router.prometheus import RouterMetrics
 from pdserve.router.pool import NoWorkerAvailable, Overloaded, WorkerPool
+from pdserve.router.prometheus import RouterMetrics
 from pdserve.router.validation import InvalidRequest, sampling_defaults, validate
+from pdserve.rpc.auth import bearer, key_index
+from pdserve.v1 import generate_pb2
 
 log = logging.getLogger(__name__)
 PB = generate_pb2
@@ -59,10 +59,17 @@ class Frontend:
     ``watch_stalls`` logs it and counts it in ``pdserve:stream_stalls_total``.
     """
 
-    def __init__(self, model_dir: Path, pool: WorkerPool, max_model_len: int | None = None,
-                 metrics: RouterMetrics | None = None, api_keys: tuple[str, ...] = (),
-                 model_name: str | None = None, local_prefill_tokens: int = 0,
-                 stall_warn_s: float = STALL_WARN_S) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        pool: WorkerPool,
+        max_model_len: int | None = None,
+        metrics: RouterMetrics | None = None,
+        api_keys: tuple[str, ...] = (),
+        model_name: str | None = None,
+        local_prefill_tokens: int = 0,
+        stall_warn_s: float = STALL_WARN_S,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.tokenizer = Tokenizer.from_folder(model_dir)
@@ -74,8 +81,11 @@ class Frontend:
         self.pool = pool
         self.inflight: dict[str, RequestState] = {}
         self.metrics = metrics or RouterMetrics(pool)
-        self.backend = (ColocatedBackend(pool) if pool.placement == "colocated"
-                        else SplitBackend(pool, self.metrics.migrations.inc, local_prefill_tokens))
+        self.backend = (
+            ColocatedBackend(pool)
+            if pool.placement == "colocated"
+            else SplitBackend(pool, self.metrics.migrations.inc, local_prefill_tokens)
+        )
         self.api_keys = api_keys  # empty: no authentication
         self.shutting_down = False
         self.stall_warn_s = stall_warn_s
@@ -100,18 +110,29 @@ class Frontend:
         """What the router serves: the model's id and limits, every worker's role and health; the
         model folder and the worker addresses only when ``admin``."""
         return PB.ModelInfo(
-            model=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            eos_token_ids=sorted(self.tokenizer.eos_token_ids), placement=self.pool.placement,
+            model=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+            placement=self.pool.placement,
             model_path=str(self.model_dir) if admin else "",
-            workers=[PB.WorkerInfo(role=w.role, healthy=w.healthy, address=w.address if admin else "")
-                     for w in self.pool.workers])
+            workers=[
+                PB.WorkerInfo(role=w.role, healthy=w.healthy, address=w.address if admin else "")
+                for w in self.pool.workers
+            ],
+        )
 
     def owner_of(self, metadata) -> int | None:
         """The index of the API key in ``metadata`` (gRPC metadata or HTTP headers as pairs)."""
         return key_index(self.api_keys, bearer(metadata)) if self.api_keys else None
 
-    async def generate(self, request: PB.GenerateRequest, timeout: float | None, owner: int | None = None,
-                       names: dict[str, str] | None = None) -> AsyncIterator[PB.GenerateResponse]:
+    async def generate(
+        self,
+        request: PB.GenerateRequest,
+        timeout: float | None,
+        owner: int | None = None,
+        names: dict[str, str] | None = None,
+    ) -> AsyncIterator[PB.GenerateResponse]:
         """The response stream of one request: chunks, then one ``complete`` or ``error`` message.
 
         ``timeout``: seconds left of the client's deadline (None: none); ``owner``: the caller's
@@ -124,8 +145,9 @@ class Frontend:
         t0 = time.monotonic_ns()
         try:
             # tokenizing a huge prompt takes seconds: keep the event loop serving other clients
-            req = await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len, self.vocab_size,
-                                          self.sampling_defaults, names)
+            req = await asyncio.to_thread(
+                validate, request, self.tokenizer, self.max_model_len, self.vocab_size, self.sampling_defaults, names
+            )
         except InvalidRequest as exc:
             self.metrics.rejected("invalid")
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from None
@@ -150,7 +172,9 @@ class Frontend:
                 self.metrics.token_arrival(now - (last_ns or t0), first=last_ns is None)
                 if state.stalled:
                     state.stalled = False
-                    log.warning("request %s: a token again after %.1fs", req.request_id, (now - state.last_token_ns) / 1e9)
+                    log.warning(
+                        "request %s: a token again after %.1fs", req.request_id, (now - state.last_token_ns) / 1e9
+                    )
                 last_ns = state.last_token_ns = now
                 usage.completion_tokens += len(ev.token_ids)
                 if ev.timings is not None:  # phases known so far survive a stop string's early end
@@ -197,8 +221,11 @@ class Frontend:
             timings.decode_ns += last_ns - timings_ns
         timings.total_ns = time.monotonic_ns() - t0
         self.metrics.finished(finish, t0, timings, usage.prompt_tokens)
-        yield PB.GenerateResponse(complete=PB.Complete(finish_reason=finish, usage=usage, text=rest,
-                                                       timings=timings, request_id=req.request_id))
+        yield PB.GenerateResponse(
+            complete=PB.Complete(
+                finish_reason=finish, usage=usage, text=rest, timings=timings, request_id=req.request_id
+            )
+        )
 
     def shut_down(self) -> None:
         """Refuse new requests (UNAVAILABLE) and end every stream in flight with an in-band

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from pdserve.router.frontend import Frontend, RequestRejected
+from pdserve.router.pool import WorkerPool
 from pdserve.rpc.auth import carries_cluster_secret, cluster_secret, require_api_key
 from pdserve.rpc.server import start_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
-from pdserve.router.frontend import RequestRejected, Frontend
-from pdserve.router.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 PB = generate_pb2
@@ -36,7 +36,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.core = core
 
     async def Generate(self, request: PB.GenerateRequest, context: grpc.aio.ServicerContext):
-        stream = self.core.generate(request, context.time_remaining(), self.core.owner_of(context.invocation_metadata()))
+        stream = self.core.generate(
+            request, context.time_remaining(), self.core.owner_of(context.invocation_metadata())
+        )
         try:
             async for message in stream:
                 yield message
@@ -48,8 +50,9 @@ class RouterServicer(generate_pb2_grpc.GenerateServiceServicer):
             await stream.aclose()
 
     async def Abort(self, request: PB.AbortRequest, context) -> PB.AbortResponse:
-        return PB.AbortResponse(aborted=self.core.abort(request.request_id,
-                                                        self.core.owner_of(context.invocation_metadata())))
+        return PB.AbortResponse(
+            aborted=self.core.abort(request.request_id, self.core.owner_of(context.invocation_metadata()))
+        )
 
     async def GetModelInfo(self, request, context) -> PB.ModelInfo:
         """The admin view (model folder, worker addresses) only for a call carrying the cluster
@@ -116,8 +119,9 @@ async def start_http(core: Frontend, host: str, port: int, tls: tuple[str, str] 
             yield
 
     ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1]) if tls else {}
-    config = uvicorn.Config(build_app(core), host=host, port=port, log_level="warning",
-                            lifespan="off", access_log=False, **ssl)
+    config = uvicorn.Config(
+        build_app(core), host=host, port=port, log_level="warning", lifespan="off", access_log=False, **ssl
+    )
     server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -127,12 +131,22 @@ async def start_http(core: Frontend, host: str, port: int, tls: tuple[str, str] 
     return server, task, server.servers[0].sockets[0].getsockname()[1]
 
 
-async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = (), colocated: list[str] = (),
-                host: str = "127.0.0.1", port: int = 0, max_model_len: int | None = None,
-                http_port: int | None = None, model_name: str | None = None,
-                api_keys: tuple[str, ...] = (), max_requests_per_worker: int = 0,
-                tls: tuple[str, str] | None = None, routing: str = "prefix-aware",
-                local_prefill_tokens: int = 0) -> RunningRouter:
+async def serve(
+    model_dir: Path,
+    prefill: list[str] = (),
+    decode: list[str] = (),
+    colocated: list[str] = (),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_model_len: int | None = None,
+    http_port: int | None = None,
+    model_name: str | None = None,
+    api_keys: tuple[str, ...] = (),
+    max_requests_per_worker: int = 0,
+    tls: tuple[str, str] | None = None,
+    routing: str = "prefix-aware",
+    local_prefill_tokens: int = 0,
+) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``colocated``) pool.
 
     ``http_port``: also serve the OpenAI-compatible API there (0: any free port; None: no HTTP).
@@ -159,15 +173,26 @@ async def serve(model_dir: Path, prefill: list[str] = (), decode: list[str] = ()
     except BaseException:
         await pool.close()
         raise
-    core = Frontend(model_dir, pool, max_model_len, api_keys=tuple(api_keys), model_name=model_name,
-                      local_prefill_tokens=local_prefill_tokens)
+    core = Frontend(
+        model_dir,
+        pool,
+        max_model_len,
+        api_keys=tuple(api_keys),
+        model_name=model_name,
+        local_prefill_tokens=local_prefill_tokens,
+    )
     health_servicer = health.aio.HealthServicer()
-    interceptors = ([require_api_key(core.api_keys, lambda: core.metrics.rejected("unauthenticated"))]
-                    if core.api_keys else None)
+    interceptors = (
+        [require_api_key(core.api_keys, lambda: core.metrics.rejected("unauthenticated"))] if core.api_keys else None
+    )
     server, bound = await start_server(
         [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, RouterServicer(core), GENERATE_SERVICE)],
-        host, port, health_servicer, interceptors=interceptors,
-        tls=(Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None)
+        host,
+        port,
+        health_servicer,
+        interceptors=interceptors,
+        tls=(Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes()) if tls else None,
+    )
     pool.on_refresh.append(_readiness(pool, health_servicer))
     await pool.on_refresh[-1]()
     pool.on_refresh.append(core.watch_stalls)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, TypeVar
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
 
@@ -57,8 +58,9 @@ async def first_while_leased(events: AsyncIterator[T], decode_call, prefill_call
     lease = asyncio.ensure_future(_lease(prefill_call))
     try:
         while True:
-            await asyncio.wait([first] if lease.done() else [first, lease], timeout=KV_WATCH_S,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [first] if lease.done() else [first, lease], timeout=KV_WATCH_S, return_when=asyncio.FIRST_COMPLETED
+            )
             if first.done():
                 return first.result()
             lost = _lost(lease, pusher, pool)
@@ -87,5 +89,7 @@ def _lost(lease: asyncio.Future, pusher, pool) -> grpc.aio.AioRpcError | None:
         return None
     log.warning("prefill worker %s lost before its KV reached decode: %s", pusher.address, why)
     # a dead worker and a cut link look alike from here: say what was seen
-    return LeaseLost(grpc.StatusCode.UNAVAILABLE, f"the prefill worker died before its KV reached decode "
-                                                  f"(or the router lost it: {why})")
+    return LeaseLost(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the prefill worker died before its KV reached decode (or the router lost it: {why})",
+    )

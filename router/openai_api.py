@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
@@ -28,17 +28,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.chat import ChatTemplate, ChatTemplateError
-from pdserve.router.frontend import RequestRejected, Frontend
-from pdserve.router.prometheus import CONTENT_TYPE
-from pdserve.router.validation import InvalidRequest, check_text_fits
+from pdserve.router.frontend import Frontend, RequestRejected
 from pdserve.router.openai_protocol import BadRequest, ChatRequest, CompletionRequest, parse
 from pdserve.router.openai_responses import ResponseShape, error_body, timings_json
+from pdserve.router.prometheus import CONTENT_TYPE
+from pdserve.router.validation import InvalidRequest, check_text_fits
 
 log = logging.getLogger(__name__)
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-               grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-               grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAVAILABLE: 503,
-               grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
 DISCONNECT_POLL_S = 0.2
 MAX_BODY_BYTES = 64 << 20  # as the gRPC API's largest message
 
@@ -72,8 +77,11 @@ def build_app(core: Frontend) -> FastAPI:
         if core.api_keys and core.owner_of(request.headers.items()) is None:
             core.metrics.rejected("unauthenticated")
             log.warning("refused %s %s: missing or wrong API key", request.method, request.url.path)
-            return JSONResponse(error_body("missing or wrong API key (authorization: Bearer)", 401), status_code=401,
-                                headers={"www-authenticate": "Bearer"})  # RFC 6750
+            return JSONResponse(
+                error_body("missing or wrong API key (authorization: Bearer)", 401),
+                status_code=401,
+                headers={"www-authenticate": "Bearer"},
+            )  # RFC 6750
         return None
 
     async def handle(request: Request, kind: str):
@@ -85,8 +93,9 @@ def build_app(core: Frontend) -> FastAPI:
                 gen_req = req.to_generate_request()
             else:
                 req = await read(request, ChatRequest)
-                text = chat_template.render([m.for_template() for m in req.messages],
-                                            req.add_generation_prompt is not False)
+                text = chat_template.render(
+                    [m.for_template() for m in req.messages], req.add_generation_prompt is not False
+                )
                 check_text_fits(text, core.tokenizer, core.max_model_len)
                 ids = await asyncio.to_thread(core.tokenizer.encode, text, False)
                 gen_req = req.to_generate_request(ids)
@@ -126,8 +135,14 @@ def build_app(core: Frontend) -> FastAPI:
     async def chat_completions(request: Request):
         return await handle(request, "chat")
 
-    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdserve", "root": model_name,
-            "max_model_len": core.max_model_len}  # root: vLLM's field; the id here, never a path
+    card = {
+        "id": model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "root": model_name,
+        "max_model_len": core.max_model_len,
+    }  # root: vLLM's field; the id here, never a path
 
     @app.get("/v1/models")
     async def models(request: Request):

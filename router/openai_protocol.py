@@ -99,8 +99,11 @@ class _Common(BaseModel):
         for field, (is_neutral, neutral) in UNSUPPORTED.items():
             value = getattr(self, field)
             if value is not None and not is_neutral(value):
-                raise BadRequest(f"{field} is not supported by this server (it would change the output); "
-                                 f"leave it out or send {neutral}", field)
+                raise BadRequest(
+                    f"{field} is not supported by this server (it would change the output); "
+                    f"leave it out or send {neutral}",
+                    field,
+                )
         sampling = PB.SamplingParams()
         if self.temperature is not None:
             sampling.temperature = self.temperature
@@ -146,8 +149,9 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise BadRequest(f"batched prompts are not supported ({len(p)} given); send one prompt per request",
-                                 "prompt")
+                raise BadRequest(
+                    f"batched prompts are not supported ({len(p)} given); send one prompt per request", "prompt"
+                )
             p = p[0]
         if isinstance(p, str):
             return self._generate_request(prompt=p)
@@ -172,7 +176,7 @@ class ChatMessage(BaseModel):
         return role
 
     @model_validator(mode="after")
-    def _has_content(self) -> "ChatMessage":
+    def _has_content(self) -> ChatMessage:
         if self.content is None:  # tool calls, the one case OpenAI allows it, are not supported
             raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
         return self
@@ -243,8 +247,10 @@ def _field_error(param: str | None, err: dict) -> str:
 def _json_error(msg: str) -> str:
     """The parser's message, or for a lone UTF-16 surrogate escape (which the parser calls a bad
     hex escape) what is wrong with it."""
-    where = msg[msg.rfind(" at line "):] if " at line " in msg else ""
+    where = msg[msg.rfind(" at line ") :] if " at line " in msg else ""
     if "surrogate" in msg or "end of hex escape" in msg:
-        return (f"the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair){where}; "
-                f"strings must be valid Unicode (surrogates only in high-low pairs, such as \\ud83d\\ude00)")
+        return (
+            f"the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair){where}; "
+            f"strings must be valid Unicode (surrogates only in high-low pairs, such as \\ud83d\\ude00)"
+        )
     return f"the request body is not valid JSON: {msg}"

@@ -10,10 +10,10 @@ from functools import cached_property
 
 import grpc
 
-from pdserve.rpc.auth import internal_channel
-from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.engine.scheduling.prefix_hash import BlockHash, prefix_hashes
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.rpc.auth import internal_channel
+from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class WorkerHandle:
     cached_kv_blocks: int = -1  # from the last poll; 0 on a worker without prefix caching (-1: not polled yet)
 
     @classmethod
-    def connect(cls, role: str, address: str) -> "WorkerHandle":
+    def connect(cls, role: str, address: str) -> WorkerHandle:
         return cls(role, address, internal_channel(address, GRPC_OPTIONS))
 
     @cached_property
@@ -103,16 +103,24 @@ class WorkerPool:
     past it on every worker, a new request is refused (Overloaded) instead of queuing without end.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], max_requests_per_worker: int = 0,
-                 routing: str = "prefix-aware") -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        colocated: list[str],
+        max_requests_per_worker: int = 0,
+        routing: str = "prefix-aware",
+    ) -> None:
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}; choose {' or '.join(ROUTING_POLICIES)}")
         self.routing = routing
         self.prefix = PrefixIndex()
         self._restarting: dict[str, float] = {}  # address -> monotonic time until which its restart is awaited
-        self.workers = ([WorkerHandle.connect("prefill", a) for a in prefill]
-                        + [WorkerHandle.connect("decode", a) for a in decode]
-                        + [WorkerHandle.connect("colocated", a) for a in colocated])
+        self.workers = (
+            [WorkerHandle.connect("prefill", a) for a in prefill]
+            + [WorkerHandle.connect("decode", a) for a in decode]
+            + [WorkerHandle.connect("colocated", a) for a in colocated]
+        )
         self._poller: asyncio.Task | None = None
         self.on_refresh: list = []  # async callables run after each stats poll
         self.max_requests_per_worker = max_requests_per_worker  # 0: no bound
@@ -153,13 +161,16 @@ class WorkerPool:
         as with --no-prefix-caching)."""
         if w.cached_kv_blocks == 0:
             return 0
-        return min(self.prefix.overlap(w.address, hashes) * self.block_size, (n - 1) // self.block_size * self.block_size)
+        return min(
+            self.prefix.overlap(w.address, hashes) * self.block_size, (n - 1) // self.block_size * self.block_size
+        )
 
     def _pick_by_tokens(self, ws: list[WorkerHandle], n: int, hashes: list[BlockHash]) -> WorkerHandle:
         if not hashes:
             return min(ws, key=lambda w: (w.outstanding_prefill_tokens, w.active_requests))
-        return min(ws, key=lambda w: (w.outstanding_prefill_tokens + n - self.cached_tokens(w, n, hashes),
-                                      w.active_requests))
+        return min(
+            ws, key=lambda w: (w.outstanding_prefill_tokens + n - self.cached_tokens(w, n, hashes), w.active_requests)
+        )
 
     def pick_prefill(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
         """The prefill worker for an ``n``-token prompt whose full blocks are named ``hashes``."""
@@ -171,8 +182,10 @@ class WorkerPool:
         bound = self.max_requests_per_worker
         room = [w for w in ws if not bound or w.active_requests < bound]
         if not room:
-            raise Overloaded(f"every {role} worker holds {bound} requests (--max-requests-per-worker); "
-                             f"retry in {Overloaded.retry_after_s:g}s")
+            raise Overloaded(
+                f"every {role} worker holds {bound} requests (--max-requests-per-worker); "
+                f"retry in {Overloaded.retry_after_s:g}s"
+            )
         return room
 
     def pick_decode(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
@@ -206,14 +219,23 @@ class WorkerPool:
             except grpc.aio.AioRpcError as exc:
                 w.failed_polls += 1
                 if w.healthy and w.failed_polls >= UNHEALTHY_AFTER_FAILURES:
-                    log.warning("worker %s %s unhealthy after %d failed polls: %s", w.role, w.address,
-                                w.failed_polls, exc.code().name)
+                    log.warning(
+                        "worker %s %s unhealthy after %d failed polls: %s",
+                        w.role,
+                        w.address,
+                        w.failed_polls,
+                        exc.code().name,
+                    )
                     w.healthy = False
                 return
             w.healthy, w.failed_polls = True, 0
             w.free_kv_blocks, w.block_size, w.routed_blocks_since_poll = s.free_kv_blocks, s.block_size, 0
             w.total_kv_blocks = s.free_kv_blocks + s.used_kv_blocks
-            w.num_running, w.num_waiting, w.used_kv_blocks = s.num_running, s.num_waiting + s.num_awaiting_kv, s.used_kv_blocks
+            w.num_running, w.num_waiting, w.used_kv_blocks = (
+                s.num_running,
+                s.num_waiting + s.num_awaiting_kv,
+                s.used_kv_blocks,
+            )
             w.fingerprint = s.model_fingerprint
             w.cached_kv_blocks = s.cached_kv_blocks
 
@@ -251,8 +273,9 @@ class WorkerPool:
         models = {w.fingerprint for w in self.workers if w.fingerprint}
         if len(models) > 1:
             by = ", ".join(f"{w.role}@{w.address}: {w.fingerprint[:12]}" for w in self.workers)
-            raise RuntimeError(f"the workers serve different models (model fingerprints {by}); give every worker "
-                               f"the same model folder")
+            raise RuntimeError(
+                f"the workers serve different models (model fingerprints {by}); give every worker the same model folder"
+            )
         self._poller = asyncio.create_task(self._poll())
 
     def kv_capacity_tokens(self) -> int | None:

@@ -22,21 +22,93 @@ from pdserve.v1 import generate_pb2
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # seconds; vLLM's buckets with finer steps below 10 ms, where CPU decode steps land
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-               0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0)
-BYTES_BUCKETS = tuple(float(x * 10 ** e) for e in range(3, 10) for x in (1, 2.5, 5))  # 1 kB .. 5 GB
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
+BYTES_BUCKETS = tuple(float(x * 10**e) for e in range(3, 10) for x in (1, 2.5, 5))  # 1 kB .. 5 GB
 
 # why a call was refused before its first token: a bad request (INVALID_ARGUMENT, ALREADY_EXISTS; HTTP 400,
 # 404), no healthy worker (UNAVAILABLE), every worker at its bound (RESOURCE_EXHAUSTED; 429), no valid API
 # key (UNAUTHENTICATED; 401, on any method or route that wants one)
 REJECT_REASONS = ("invalid", "unavailable", "overloaded", "unauthenticated")
 WAIT_STAGES = ("router", "prefill_queue", "kv_admission", "preempted")  # pdserve:request_wait_time_seconds
-FINISH_LABELS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
-                 generate_pb2.FINISH_REASON_ABORT: "abort", generate_pb2.FINISH_REASON_ERROR: "error"}
+FINISH_LABELS = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+    generate_pb2.FINISH_REASON_ERROR: "error",
+}
 
 
 def worker_labels(workers) -> list[str]:
@@ -60,15 +132,22 @@ class _WorkerGauges:
 
     def collect(self):
         labels = ["role", "worker"]
-        running = GaugeMetricFamily("pdserve:num_requests_running", "Sequences in the worker's running batch.",
-                                    labels=labels)
-        waiting = GaugeMetricFamily("pdserve:num_requests_waiting",
-                                    "Sequences waiting for prefill or for their KV cache on the worker.", labels=labels)
-        usage = GaugeMetricFamily("pdserve:kv_cache_usage_perc",
-                                  "Fraction of the worker's KV cache blocks in use (1 = full).", labels=labels)
-        healthy = GaugeMetricFamily("pdserve:worker_healthy",
-                                    "1 when the worker answers its stats polls and takes requests, else 0.",
-                                    labels=labels)
+        running = GaugeMetricFamily(
+            "pdserve:num_requests_running", "Sequences in the worker's running batch.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "pdserve:num_requests_waiting",
+            "Sequences waiting for prefill or for their KV cache on the worker.",
+            labels=labels,
+        )
+        usage = GaugeMetricFamily(
+            "pdserve:kv_cache_usage_perc", "Fraction of the worker's KV cache blocks in use (1 = full).", labels=labels
+        )
+        healthy = GaugeMetricFamily(
+            "pdserve:worker_healthy",
+            "1 when the worker answers its stats polls and takes requests, else 0.",
+            labels=labels,
+        )
         workers = list(self.pool.workers)
         for w, label in zip(workers, worker_labels(workers)):
             key = [w.role, label]
@@ -85,58 +164,103 @@ class RouterMetrics:
     def __init__(self, pool) -> None:
         disable_created_metrics()  # no *_created series (vLLM drops them too)
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds",
-                              "Request received by the router to its first token there.", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds",
-                             "Gap between consecutive token messages of a request at the router.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds",
-                             "Request received to its last message, for requests that ended.",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.queue = Histogram("pdserve:request_queue_time_seconds",
-                               "Routing and prefill queue: received to the start of its prefill pass.",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill = Histogram("pdserve:request_prefill_time_seconds",
-                                 "Prefill forward pass and first-token sampling.", buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_time = Histogram("pdserve:kv_transfer_time_seconds",
-                                 "First token sampled to KV admitted by the decode worker (split placement only).",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_bytes = Histogram("pdserve:kv_transfer_bytes",
-                                  "KV cache bytes pushed from prefill to decode per request (split placement only).",
-                                  buckets=BYTES_BUCKETS, registry=r)
-        self.decode = Histogram("pdserve:request_decode_time_seconds",
-                                "KV admitted (or first token, colocated) to the last token.", buckets=E2E_BUCKETS,
-                                registry=r)
-        self.requests = Counter("pdserve:requests", "Requests that ended, by finish reason.",
-                                ["finish_reason"], registry=r)
-        self.migrations = Counter("pdserve:request_migrations",
-                                  "Requests moved to live workers after theirs became unreachable (split).",
-                                  registry=r)
-        self.rejections = Counter("pdserve:requests_rejected",
-                                  "Calls refused before their first token (invalid: bad request; "
-                                  "unavailable: no healthy worker; overloaded: every worker at its bound; "
-                                  "unauthenticated: missing or wrong API key).",
-                                  ["reason"], registry=r)
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds",
+            "Request received by the router to its first token there.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Gap between consecutive token messages of a request at the router.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Request received to its last message, for requests that ended.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "pdserve:request_queue_time_seconds",
+            "Routing and prefill queue: received to the start of its prefill pass.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "pdserve:request_prefill_time_seconds",
+            "Prefill forward pass and first-token sampling.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_time = Histogram(
+            "pdserve:kv_transfer_time_seconds",
+            "First token sampled to KV admitted by the decode worker (split placement only).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_bytes = Histogram(
+            "pdserve:kv_transfer_bytes",
+            "KV cache bytes pushed from prefill to decode per request (split placement only).",
+            buckets=BYTES_BUCKETS,
+            registry=r,
+        )
+        self.decode = Histogram(
+            "pdserve:request_decode_time_seconds",
+            "KV admitted (or first token, colocated) to the last token.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve:requests", "Requests that ended, by finish reason.", ["finish_reason"], registry=r
+        )
+        self.migrations = Counter(
+            "pdserve:request_migrations",
+            "Requests moved to live workers after theirs became unreachable (split).",
+            registry=r,
+        )
+        self.rejections = Counter(
+            "pdserve:requests_rejected",
+            "Calls refused before their first token (invalid: bad request; "
+            "unavailable: no healthy worker; overloaded: every worker at its bound; "
+            "unauthenticated: missing or wrong API key).",
+            ["reason"],
+            registry=r,
+        )
         self.prefilled_on_decode = Counter(
             "pdserve:requests_prefilled_on_decode",
-            "Split placement: requests the decode worker prefilled itself (conditional disaggregation).", registry=r)
+            "Split placement: requests the decode worker prefilled itself (conditional disaggregation).",
+            registry=r,
+        )
         self.cached_prompt_tokens = Counter(
-            "pdserve:prompt_tokens_cached", "Prompt tokens whose KV came from a worker's prefix cache.", registry=r)
+            "pdserve:prompt_tokens_cached", "Prompt tokens whose KV came from a worker's prefix cache.", registry=r
+        )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of requests that completed.", registry=r)
-        self.wait = Histogram("pdserve:request_wait_time_seconds",
-                              "Time a completed request waited, by stage: router (routing, a live worker), "
-                              "prefill_queue (the worker's queue before its prefill), kv_admission (split: KV "
-                              "received to admitted, free KV blocks), preempted (to be recomputed after a "
-                              "preemption).", ["stage"], buckets=LATENCY_BUCKETS, registry=r)
-        self.preemptions = Counter("pdserve:request_preemptions",
-                                   "Preemptions of completed requests (their KV freed to be recomputed).",
-                                   registry=r)
-        self.stalls = Counter("pdserve:stream_stalls",
-                              "Streams that went longer than the stall bound without a token (counted once "
-                              "per stall; the router logs each).", registry=r)
-        self.stalled = Gauge("pdserve:streams_stalled",
-                             "Streams now longer than the stall bound without a token.", registry=r)
+        self.wait = Histogram(
+            "pdserve:request_wait_time_seconds",
+            "Time a completed request waited, by stage: router (routing, a live worker), "
+            "prefill_queue (the worker's queue before its prefill), kv_admission (split: KV "
+            "received to admitted, free KV blocks), preempted (to be recomputed after a "
+            "preemption).",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "pdserve:request_preemptions",
+            "Preemptions of completed requests (their KV freed to be recomputed).",
+            registry=r,
+        )
+        self.stalls = Counter(
+            "pdserve:stream_stalls",
+            "Streams that went longer than the stall bound without a token (counted once "
+            "per stall; the router logs each).",
+            registry=r,
+        )
+        self.stalled = Gauge(
+            "pdserve:streams_stalled", "Streams now longer than the stall bound without a token.", registry=r
+        )
         for label in FINISH_LABELS.values():  # every series exists from the start, at 0
             self.requests.labels(label)
         for reason in REJECT_REASONS:
@@ -156,8 +280,9 @@ class RouterMetrics:
             raise ValueError(f"unknown rejection reason {reason!r}; one of {', '.join(REJECT_REASONS)}")
         self.rejections.labels(reason).inc()
 
-    def finished(self, finish_reason: int, t0_ns: int, timings: generate_pb2.Timings | None,
-                 prompt_tokens: int = 0) -> None:
+    def finished(
+        self, finish_reason: int, t0_ns: int, timings: generate_pb2.Timings | None, prompt_tokens: int = 0
+    ) -> None:
         """A request received at ``t0_ns`` ended; ``timings`` (when it completed) gives its phases
         and ``prompt_tokens`` its prompt's length."""
         self.requests.labels(FINISH_LABELS.get(finish_reason, "error")).inc()
@@ -165,8 +290,12 @@ class RouterMetrics:
         if timings is None or finish_reason == generate_pb2.FINISH_REASON_ABORT:
             return
         self.queue.observe(timings.queue_ns / 1e9)
-        waits = (timings.router_queue_ns, timings.queue_ns - timings.router_queue_ns, timings.kv_admission_ns,
-                 timings.preempted_ns)
+        waits = (
+            timings.router_queue_ns,
+            timings.queue_ns - timings.router_queue_ns,
+            timings.kv_admission_ns,
+            timings.preempted_ns,
+        )
         for stage, ns in zip(WAIT_STAGES, waits):
             self.wait.labels(stage).observe(max(ns, 0) / 1e9)
         self.preemptions.inc(timings.num_preemptions)

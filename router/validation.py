@@ -58,8 +58,11 @@ def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int) -> None
     The bound is ``Tokenizer.max_token_bytes``, with 2x slack for normalizers that shrink text."""
     at_least = len(text.encode("utf-8", "surrogatepass")) // (2 * tokenizer.max_token_bytes)
     if at_least >= max_model_len:
-        raise InvalidRequest(f"prompt has at least {at_least} tokens ({len(text)} characters); the context "
-                             f"window is {max_model_len} tokens (prompt + max_tokens must fit)", "prompt")
+        raise InvalidRequest(
+            f"prompt has at least {at_least} tokens ({len(text)} characters); the context "
+            f"window is {max_model_len} tokens (prompt + max_tokens must fit)",
+            "prompt",
+        )
 
 
 def request_id_errors(request_id: str) -> list[str]:
@@ -71,14 +74,21 @@ def request_id_errors(request_id: str) -> list[str]:
         errors.append(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     bad = next((i for i, c in enumerate(request_id) if unicodedata.category(c) == "Cc"), None)
     if bad is not None:
-        errors.append(f"request_id must not contain control characters (newline, tab, NUL and other Unicode "
-                      f"category Cc); found {request_id[bad]!r} at index {bad}")
+        errors.append(
+            f"request_id must not contain control characters (newline, tab, NUL and other Unicode "
+            f"category Cc); found {request_id[bad]!r} at index {bad}"
+        )
     return errors
 
 
-def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
-             vocab_size: int, defaults: dict[str, float] | None = None,
-             names: Mapping[str, str] | None = None) -> ValidatedRequest:
+def validate(
+    req: generate_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    vocab_size: int,
+    defaults: dict[str, float] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> ValidatedRequest:
     """Tokenize and resolve defaults: a sampling field left unset takes ``defaults`` (the model's
     generation_config.json, see ``sampling_defaults``), else temperature 1, top_p 1, top_k 0.
     ``names``: what the client called a GenerateRequest field where it differs (the HTTP API's
@@ -97,8 +107,12 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
         ids = list(req.prompt_token_ids)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            errors.append((name("prompt_token_ids"),
-                           f"prompt token ids out of range: each must be in [0, {vocab_size}), got {bad[:5]}"))
+            errors.append(
+                (
+                    name("prompt_token_ids"),
+                    f"prompt token ids out of range: each must be in [0, {vocab_size}), got {bad[:5]}",
+                )
+            )
     elif req.prompt:
         check_text_fits(req.prompt, tokenizer, max_model_len)
         ids = tokenizer.encode(req.prompt)
@@ -108,14 +122,24 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
         errors.append((name("prompt"), "prompt is empty: send a non-empty prompt (text or token ids)"))
     n = len(ids)
     if n >= max_model_len:
-        errors.append((name("prompt"), f"prompt has {n} tokens; the context window is {max_model_len} tokens "
-                                       f"(prompt + {name('max_tokens')} must fit)"))
+        errors.append(
+            (
+                name("prompt"),
+                f"prompt has {n} tokens; the context window is {max_model_len} tokens "
+                f"(prompt + {name('max_tokens')} must fit)",
+            )
+        )
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
         if max_tokens >= 1 and n < max_model_len and n + max_tokens > max_model_len:
-            errors.append((name("max_tokens"), f"prompt ({n} tokens) + {name('max_tokens')} ({max_tokens}) = "
-                                               f"{n + max_tokens} exceeds the context window of {max_model_len} "
-                                               f"tokens"))
+            errors.append(
+                (
+                    name("max_tokens"),
+                    f"prompt ({n} tokens) + {name('max_tokens')} ({max_tokens}) = "
+                    f"{n + max_tokens} exceeds the context window of {max_model_len} "
+                    f"tokens",
+                )
+            )
     else:
         max_tokens = max(1, max_model_len - n)
     s = req.sampling
@@ -125,8 +149,11 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
     top_k = 0 if top_k == -1 else top_k  # -1 disables too, as in vLLM and the HTTP API
     nan = [field for field, value in (("temperature", temperature), ("top_p", top_p)) if math.isnan(value)]
     errors += [(name(field), f"{name(field)} must be a number, got NaN") for field in nan]
-    errors += [(name(field), f"{name(field)} {what}")
-               for field, what in sampling_field_errors(temperature, top_p, top_k, max_tokens) if field not in nan]
+    errors += [
+        (name(field), f"{name(field)} {what}")
+        for field, what in sampling_field_errors(temperature, top_p, top_k, max_tokens)
+        if field not in nan
+    ]
     stop = list(req.stop)
     if len(stop) > MAX_STOP_STRINGS:
         errors.append((name("stop"), f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}"))
@@ -134,12 +161,18 @@ def validate(req: generate_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_
         errors.append((name("stop"), "stop strings must be non-empty"))
     long = [i for i, x in enumerate(stop) if len(x) > MAX_STOP_CHARS]
     if long:
-        errors.append((name("stop"), f"stop strings must have at most {MAX_STOP_CHARS} characters; "
-                                     f"the one at index {long[0]} has {len(stop[long[0]])}"))
+        errors.append(
+            (
+                name("stop"),
+                f"stop strings must have at most {MAX_STOP_CHARS} characters; "
+                f"the one at index {long[0]} has {len(stop[long[0]])}",
+            )
+        )
     errors += [(name("request_id"), message) for message in request_id_errors(req.request_id)]
     if errors:
         raise InvalidRequest("; ".join(message for _, message in errors), errors[0][0])
     seed = s.seed if s.HasField("seed") else (0 if temperature == 0 else secrets.randbits(63))
-    sampling = worker_pb2.ResolvedSampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                           max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+    sampling = worker_pb2.ResolvedSampling(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=req.ignore_eos
+    )
     return ValidatedRequest(req.request_id or uuid.uuid4().hex, ids, sampling, stop)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -94,8 +94,9 @@ class CheckMetadata(grpc.aio.ServerInterceptor):
     rejects; ``what`` names the credential in the error and the log, ``on_refused()`` runs once
     per refused call (e.g. to count it)."""
 
-    def __init__(self, allowed: Callable[[tuple], bool], what: str,
-                 on_refused: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, allowed: Callable[[tuple], bool], what: str, on_refused: Callable[[], None] | None = None
+    ) -> None:
         self.allowed, self.what = allowed, what
         self.on_refused = on_refused or (lambda: None)
 
@@ -109,8 +110,9 @@ class CheckMetadata(grpc.aio.ServerInterceptor):
 
 
 def require_api_key(keys: tuple[str, ...], on_refused: Callable[[], None] | None = None) -> CheckMetadata:
-    return CheckMetadata(lambda md: key_index(keys, bearer(md)) is not None, "API key (authorization: Bearer)",
-                         on_refused)
+    return CheckMetadata(
+        lambda md: key_index(keys, bearer(md)) is not None, "API key (authorization: Bearer)", on_refused
+    )
 
 
 def carries_cluster_secret(metadata, secret: str | None) -> bool:
@@ -132,8 +134,9 @@ class _AddMetadata:
 
     def _details(self, d):
         metadata = list(d.metadata or ()) + [self.entry]
-        return grpc.aio.ClientCallDetails(d.method, d.timeout, grpc.aio.Metadata(*metadata), d.credentials,
-                                          d.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            d.method, d.timeout, grpc.aio.Metadata(*metadata), d.credentials, d.wait_for_ready
+        )
 
 
 class _UnaryUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
@@ -161,14 +164,14 @@ def _adding(key: str, value: str) -> list:
     return [kind(key, value) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
-def client_channel(address: str, options, api_key: str | None = None,
-                   tls_ca: bytes | None = None) -> grpc.aio.Channel:
+def client_channel(address: str, options, api_key: str | None = None, tls_ca: bytes | None = None) -> grpc.aio.Channel:
     """A channel to a router that sends ``authorization: Bearer <api_key>`` on every call (when
     given); over TLS, trusting the PEM ``tls_ca``, when that is given."""
     interceptors = _adding("authorization", f"Bearer {api_key}") if api_key else None
     if tls_ca is not None:
-        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), options=options,
-                                       interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address, grpc.ssl_channel_credentials(tls_ca), options=options, interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 

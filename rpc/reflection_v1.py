@@ -48,7 +48,10 @@ def enable(service_names: list[str], server: grpc.aio.Server) -> None:
     reflection.enable_server_reflection(service_names, server)
     servicer = reflection.aio.ReflectionServicer(service_names)
     handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo, request_deserializer=alpha.ServerReflectionRequest.FromString,
-        response_serializer=alpha.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
-                                                                          {"ServerReflectionInfo": handler}),))
+        servicer.ServerReflectionInfo,
+        request_deserializer=alpha.ServerReflectionRequest.FromString,
+        response_serializer=alpha.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ServerReflectionInfo": handler}),)
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,11 +40,14 @@ MAX_UNREQUESTED_S = 3600
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.server_max_unrequested_time_in_server", MAX_UNREQUESTED_S)]
 
 
-async def start_server(register: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-                       host: str = "127.0.0.1", port: int = 0,
-                       health_servicer: health.aio.HealthServicer | None = None,
-                       interceptors: list | None = None,
-                       tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    register: list[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    health_servicer: health.aio.HealthServicer | None = None,
+    interceptors: list | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.aio.Server, int]:
     """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection
     (v1 and v1alpha), which list exactly the services this server serves.
 

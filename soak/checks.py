@@ -17,7 +17,8 @@ async def used_blocks(cluster) -> dict[str, int]:
     for address, role in cluster.workers.items():
         async with grpc.aio.insecure_channel(address) as ch:
             s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(
-                worker_pb2.GetStatsRequest(), metadata=(("x-pdserve-cluster-secret", cluster.secret),), timeout=10)
+                worker_pb2.GetStatsRequest(), metadata=(("x-pdserve-cluster-secret", cluster.secret),), timeout=10
+            )
             used[f"{role}@{address}"] = s.used_kv_blocks + s.num_running + s.num_waiting
     return used
 

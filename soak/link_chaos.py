@@ -65,10 +65,26 @@ class ServeOnTwoNodes:
 
     def __init__(self, nodes: TwoNodes, args: list[str], env: dict[str, str]) -> None:
         self.lines: list[str] = []
-        self.proc = nodes.popen(nodes.head_ns, [
-            sys.executable, "-m", "pdserve.cli.main", "serve", *args, "--address", nodes.head_address,
-            "--prefill-resource", PREFILL_RESOURCE, "--decode-resource", DECODE_RESOURCE],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = nodes.popen(
+            nodes.head_ns,
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli.main",
+                "serve",
+                *args,
+                "--address",
+                nodes.head_address,
+                "--prefill-resource",
+                PREFILL_RESOURCE,
+                "--decode-resource",
+                DECODE_RESOURCE,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -127,11 +143,15 @@ def problems(rows: list[dict]) -> list[str]:
         if any(not m.split(": ", 1)[-1] or m.startswith(("UNKNOWN", "hung")) for m in row["messages"]):
             out.append(f"{name}: an error without a clear code and message: {row['messages']}")
         if row["short"] or row["mismatches"]:
-            out.append(f"{name}: completed requests with wrong tokens: {row['short']} short, "
-                       f"{row['mismatches']} differ from the undisturbed run")
+            out.append(
+                f"{name}: completed requests with wrong tokens: {row['short']} short, "
+                f"{row['mismatches']} differ from the undisturbed run"
+            )
         if any(row["leaked"].values()):
-            out.append(f"{name}: workers still hold KV blocks, sequences or KV waits (-1: no answer) "
-                       f"{SETTLE_S:.0f}s after the last request ended: {row['leaked']}")
+            out.append(
+                f"{name}: workers still hold KV blocks, sequences or KV waits (-1: no answer) "
+                f"{SETTLE_S:.0f}s after the last request ended: {row['leaked']}"
+            )
     return out
 
 
@@ -148,22 +168,38 @@ def table_lines(rows: list[dict]) -> list[str]:
         codes = {**row["errors"], **({"hung": row["hung"]} if row["hung"] else {})}
         listed = ", ".join(f"{k} {v}" for k, v in sorted(codes.items()))
         leaked = sum(max(v, 0) for v in row["leaked"].values())
-        body.append((row["fault"], str(row["requests"]), str(row["completed"]), str(row["migrated"]),
-                     f"{sum(codes.values())}" + (f" ({listed})" if listed else ""),
-                     f"{row['max_end_s']:.1f} s (bound {row['bound_s']:.0f} s)",
-                     f"{leaked}" + ("" if min(row["leaked"].values(), default=0) >= 0 else " (a worker did not answer)")))
+        body.append(
+            (
+                row["fault"],
+                str(row["requests"]),
+                str(row["completed"]),
+                str(row["migrated"]),
+                f"{sum(codes.values())}" + (f" ({listed})" if listed else ""),
+                f"{row['max_end_s']:.1f} s (bound {row['bound_s']:.0f} s)",
+                f"{leaked}" + ("" if min(row["leaked"].values(), default=0) >= 0 else " (a worker did not answer)"),
+            )
+        )
         note = f"{row['name']}: router on the {row.get('router_node') or '?'} node; link shaped by {row['how']}"
         if "cut_at_s" in row:
-            note += (f"; cut {row['cut_at_s']:.1f} s after the first send, {row['in_flight_at_cut']} request(s) "
-                     f"between first and second token then")
+            note += (
+                f"; cut {row['cut_at_s']:.1f} s after the first send, {row['in_flight_at_cut']} request(s) "
+                f"between first and second token then"
+            )
         notes.append(note + (f"; errors: {'; '.join(row['messages'])}" if row["messages"] else ""))
     widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
     return [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, body), *notes]
 
 
-def run_link_chaos(nodes: TwoNodes, cases: list[FaultCase], n: int = REQUESTS_PER_CASE, model: str = "embedded",
-                   seed: int = 0, echo: bool = False, serve_log: Path | None = None) -> tuple[list[dict], str]:
+def run_link_chaos(
+    nodes: TwoNodes,
+    cases: list[FaultCase],
+    n: int = REQUESTS_PER_CASE,
+    model: str = "embedded",
+    seed: int = 0,
+    echo: bool = False,
+    serve_log: Path | None = None,
+) -> tuple[list[dict], str]:
     """``pdserve serve`` on ``nodes`` (float32), the driver (``link_chaos_driver``) run in the
     router's namespace, serve stopped; the rows and serve's output (also written to ``serve_log``,
     whatever happened). ``echo``: the driver's progress goes to our stderr. RuntimeError when serve
@@ -176,25 +212,42 @@ def run_link_chaos(nodes: TwoNodes, cases: list[FaultCase], n: int = REQUESTS_PE
     secret = secrets.token_hex(32)
     env = nodes.env(PDSERVE_CLUSTER_SECRET=secret)
     env.pop("PDSERVE_API_KEY", None)
-    serve = ServeOnTwoNodes(nodes, ["--model", str(resolve_model_dir(model)), "--dtype", "float32", "--port", "0",
-                                    "--http-port", "0"], env)
+    serve = ServeOnTwoNodes(
+        nodes, ["--model", str(resolve_model_dir(model)), "--dtype", "float32", "--port", "0", "--http-port", "0"], env
+    )
     try:
         router, http, workers = serve.wait_serving(SERVE_START_S)
         # the client runs beside the router (Ray puts it on either node), so that the faults hit the
         # links between the nodes: the KV push, and the router's calls to the other node's worker
         on_head = router.rsplit(":", 1)[0] == nodes.head_ip
         ns = nodes.head_ns if on_head else nodes.worker_ns
-        spec = {"nodes": nodes.describe(), "router": router, "http": http, "workers": workers,
-                "router_node": "head (prefill)" if on_head else "worker (decode)",
-                "cases": [c.name for c in cases], "requests": n, "model": model, "seed": seed}
+        spec = {
+            "nodes": nodes.describe(),
+            "router": router,
+            "http": http,
+            "workers": workers,
+            "router_node": "head (prefill)" if on_head else "worker (decode)",
+            "cases": [c.name for c in cases],
+            "requests": n,
+            "model": model,
+            "seed": seed,
+        }
         # the cases' own waits are bounded: each request by its deadline, each settle by SETTLE_S
         limit_s = len(cases) * (REQUEST_DEADLINE_S + SETTLE_S + 60.0)
-        res = nodes.run(ns, [sys.executable, "-m", "pdserve.soak.link_chaos_driver", json.dumps(spec)],
-                        timeout_s=limit_s, env=env, stdout=subprocess.PIPE, stderr=None if echo else subprocess.PIPE,
-                        text=True)
+        res = nodes.run(
+            ns,
+            [sys.executable, "-m", "pdserve.soak.link_chaos_driver", json.dumps(spec)],
+            timeout_s=limit_s,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=None if echo else subprocess.PIPE,
+            text=True,
+        )
         if res.returncode != 0:
-            raise RuntimeError(f"the link chaos driver failed ({res.returncode}):\n{(res.stderr or '')[-3000:]}\n"
-                               f"pdserve serve:\n{serve.log_tail()}")
+            raise RuntimeError(
+                f"the link chaos driver failed ({res.returncode}):\n{(res.stderr or '')[-3000:]}\n"
+                f"pdserve serve:\n{serve.log_tail()}"
+            )
         rows = json.loads(res.stdout.strip().splitlines()[-1])
     finally:
         serve.stop()
@@ -215,9 +268,13 @@ def _parse_cases(text: str) -> list[FaultCase]:
 def main(argv: list[str] | None = None) -> int:
     from pdserve.worker.flags import positive_int
 
-    p = argparse.ArgumentParser(prog="python -m pdserve.soak.link_chaos",
-                                description="Link faults between a prefill and a decode Ray node (root).")
-    p.add_argument("--cases", type=_parse_cases, default=list(CASES.values()), help=f"comma-separated: {','.join(CASES)}")
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.soak.link_chaos",
+        description="Link faults between a prefill and a decode Ray node (root).",
+    )
+    p.add_argument(
+        "--cases", type=_parse_cases, default=list(CASES.values()), help=f"comma-separated: {','.join(CASES)}"
+    )
     p.add_argument("--requests", type=positive_int, default=REQUESTS_PER_CASE, help="requests per case, sent at once")
     p.add_argument("--model", default="embedded")
     p.add_argument("--seed", type=int, default=0)
@@ -227,10 +284,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with two_nodes() as nodes:
-            print(f"two Ray nodes: head (prefill) {nodes.head_ip}, worker (decode) {nodes.worker_ip}; link "
-                  f"{nodes.veth[0]} <-> {nodes.veth[1]}", flush=True)
-            rows, _ = run_link_chaos(nodes, args.cases, args.requests, args.model, args.seed, echo=True,
-                                     serve_log=Path(args.serve_log) if args.serve_log else None)
+            print(
+                f"two Ray nodes: head (prefill) {nodes.head_ip}, worker (decode) {nodes.worker_ip}; link "
+                f"{nodes.veth[0]} <-> {nodes.veth[1]}",
+                flush=True,
+            )
+            rows, _ = run_link_chaos(
+                nodes,
+                args.cases,
+                args.requests,
+                args.model,
+                args.seed,
+                echo=True,
+                serve_log=Path(args.serve_log) if args.serve_log else None,
+            )
     except NetnsUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

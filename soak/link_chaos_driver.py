@@ -58,15 +58,18 @@ class FaultCase:
         return min(SERVICE_S + max(self.cut_s, DETECT_S) + MIGRATION_WAIT_S, REQUEST_DEADLINE_S - 1.0)
 
 
-CASES = {c.name: c for c in (
-    FaultCase("none"),
-    FaultCase("slow", SLOW),
-    FaultCase("loss", LinkShape(loss_pct=5)),
-    FaultCase("delay", LinkShape(delay_ms=50)),
-    FaultCase("cut-5s", SLOW, cut_s=5.0),
-    FaultCase("cut-15s", SLOW, cut_s=15.0, must_complete=False),
-    FaultCase("cut-35s", SLOW, cut_s=35.0, must_complete=False),
-)}
+CASES = {
+    c.name: c
+    for c in (
+        FaultCase("none"),
+        FaultCase("slow", SLOW),
+        FaultCase("loss", LinkShape(loss_pct=5)),
+        FaultCase("delay", LinkShape(delay_ms=50)),
+        FaultCase("cut-5s", SLOW, cut_s=5.0),
+        FaultCase("cut-15s", SLOW, cut_s=15.0, must_complete=False),
+        FaultCase("cut-35s", SLOW, cut_s=35.0, must_complete=False),
+    )
+}
 
 
 @dataclass
@@ -88,8 +91,9 @@ class Outcome:
 async def _one(client, r: Outcome) -> None:
     from pdserve.router.client import make_request
 
-    req = make_request("", prompt_token_ids=r.prompt, max_tokens=r.max_tokens, temperature=0, ignore_eos=True,
-                       request_id=r.request_id)
+    req = make_request(
+        "", prompt_token_ids=r.prompt, max_tokens=r.max_tokens, temperature=0, ignore_eos=True, request_id=r.request_id
+    )
     sent = time.monotonic()
     call = client.stub.Generate(req, timeout=REQUEST_DEADLINE_S)
     try:
@@ -124,16 +128,18 @@ async def worker_load(workers: dict[str, str], secret: str | None) -> dict[str, 
     for role, address in workers.items():
         async with grpc.aio.insecure_channel(address) as ch:
             try:
-                s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest(),
-                                                                         metadata=metadata, timeout=10)
+                s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(
+                    worker_pb2.GetStatsRequest(), metadata=metadata, timeout=10
+                )
                 load[f"{role}@{address}"] = s.used_kv_blocks + s.num_running + s.num_waiting + s.num_awaiting_kv
             except grpc.aio.AioRpcError:
                 load[f"{role}@{address}"] = -1
     return load
 
 
-async def settled_load(workers: dict[str, str], secret: str | None, limit_s: float = SETTLE_S
-                       ) -> tuple[dict[str, int], float]:
+async def settled_load(
+    workers: dict[str, str], secret: str | None, limit_s: float = SETTLE_S
+) -> tuple[dict[str, int], float]:
     """``worker_load`` once it is 0 everywhere, or after ``limit_s`` seconds; and the seconds waited."""
     t0 = time.monotonic()
     while True:
@@ -151,8 +157,9 @@ def _metrics_migrations(http: str | None) -> int:
     return scrape_migrations(http)
 
 
-async def _cut_when_in_flight(nodes: TwoNodes, case: FaultCase, reqs: list[Outcome], tasks: list[asyncio.Task]
-                              ) -> tuple[int, float]:
+async def _cut_when_in_flight(
+    nodes: TwoNodes, case: FaultCase, reqs: list[Outcome], tasks: list[asyncio.Task]
+) -> tuple[int, float]:
     """Cut the link for ``case.cut_s`` once a request has its first token and not its second (its KV
     push is under way), or after CUT_WHEN_S; returns how many requests were so at the cut, and
     the seconds from the first send to the cut."""
@@ -169,8 +176,17 @@ async def _cut_when_in_flight(nodes: TwoNodes, case: FaultCase, reqs: list[Outco
     return n, at
 
 
-async def run_case(nodes: TwoNodes, router: str, http: str | None, workers: dict[str, str], secret: str | None,
-                   case: FaultCase, n: int, vocab: int, seed: int) -> tuple[dict, list[Outcome]]:
+async def run_case(
+    nodes: TwoNodes,
+    router: str,
+    http: str | None,
+    workers: dict[str, str],
+    secret: str | None,
+    case: FaultCase,
+    n: int,
+    vocab: int,
+    seed: int,
+) -> tuple[dict, list[Outcome]]:
     """One case (see the module docstring): its table row and its requests. The row says
     ``skipped`` (why) when this machine cannot make the fault."""
     from pdserve.router.client import Client
@@ -182,8 +198,10 @@ async def run_case(nodes: TwoNodes, router: str, http: str | None, workers: dict
         row["skipped"] = str(exc)
         return row, []
     rng = random.Random(f"{seed}-{case.name}")
-    reqs = [Outcome(f"chaos-{case.name}-{i}", [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)], MAX_TOKENS)
-            for i in range(n)]
+    reqs = [
+        Outcome(f"chaos-{case.name}-{i}", [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)], MAX_TOKENS)
+        for i in range(n)
+    ]
     migrations0 = _metrics_migrations(http)
     t0 = time.monotonic()
     try:
@@ -198,26 +216,41 @@ async def run_case(nodes: TwoNodes, router: str, http: str | None, workers: dict
     row["elapsed_s"] = time.monotonic() - t0
     load, row["settle_s"] = await settled_load(workers, secret)
     outcomes = Counter(r.outcome for r in reqs)
-    row.update(completed=outcomes.pop("completed", 0), hung=outcomes.pop("hung", 0), errors=dict(outcomes),
-               migrated=_metrics_migrations(http) - migrations0, max_end_s=max(r.ended_s for r in reqs),
-               leaked=load, messages=sorted({f"{r.outcome}: {r.message}" for r in reqs if r.outcome != "completed"}),
-               short=sum(r.outcome == "completed" and len(r.tokens) != r.max_tokens for r in reqs))
+    row.update(
+        completed=outcomes.pop("completed", 0),
+        hung=outcomes.pop("hung", 0),
+        errors=dict(outcomes),
+        migrated=_metrics_migrations(http) - migrations0,
+        max_end_s=max(r.ended_s for r in reqs),
+        leaked=load,
+        messages=sorted({f"{r.outcome}: {r.message}" for r in reqs if r.outcome != "completed"}),
+        short=sum(r.outcome == "completed" and len(r.tokens) != r.max_tokens for r in reqs),
+    )
     return row, reqs
 
 
 def greedy_mismatches(model: str, done: list[Outcome]) -> int:
     """How many completed requests' tokens differ from the same prompts run undisturbed on one local
     engine (float32, greedy: each has one right answer)."""
-    from pdserve.soak.checks import greedy_mismatches as mismatches
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.models.loader import resolve_model_dir
+    from pdserve.soak.checks import greedy_mismatches as mismatches
 
     return mismatches(EngineConfig(model=str(resolve_model_dir(model)), dtype="float32"), done) if done else 0
 
 
-def drive(nodes: TwoNodes, router: str, http: str | None, workers: dict[str, str], secret: str | None,
-          cases: list[FaultCase], n: int = REQUESTS_PER_CASE, model: str = "embedded", seed: int = 0,
-          router_node: str = "") -> list[dict]:
+def drive(
+    nodes: TwoNodes,
+    router: str,
+    http: str | None,
+    workers: dict[str, str],
+    secret: str | None,
+    cases: list[FaultCase],
+    n: int = REQUESTS_PER_CASE,
+    model: str = "embedded",
+    seed: int = 0,
+    router_node: str = "",
+) -> list[dict]:
     """Run ``cases`` in turn against the cluster whose router is at ``router`` (run it in the
     router's namespace); the table's rows, each with its greedy mismatches (``mismatches``) and
     ``router_node`` (as given). Progress goes to stderr."""
@@ -232,8 +265,12 @@ def drive(nodes: TwoNodes, router: str, http: str | None, workers: dict[str, str
         row["router_node"] = router_node
         row["mismatches"] = greedy_mismatches(model, [r for r in reqs if r.outcome == "completed"])
         for r in reqs:
-            print(f"  {r.request_id}: {r.outcome} after {r.ended_s:.1f}s (first token {r.first_token_s:.1f}s, second "
-                  f"{r.second_token_s:.1f}s, {len(r.tokens)} tokens) {r.message}", file=sys.stderr, flush=True)
+            print(
+                f"  {r.request_id}: {r.outcome} after {r.ended_s:.1f}s (first token {r.first_token_s:.1f}s, second "
+                f"{r.second_token_s:.1f}s, {len(r.tokens)} tokens) {r.message}",
+                file=sys.stderr,
+                flush=True,
+            )
         print(f"link chaos: {json.dumps(row)}", file=sys.stderr, flush=True)
         rows.append(row)
     return rows
@@ -241,7 +278,16 @@ def drive(nodes: TwoNodes, router: str, http: str | None, workers: dict[str, str
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    rows = drive(TwoNodes.attach(spec["nodes"]), spec["router"], spec["http"], spec["workers"],
-                 os.environ.get("PDSERVE_CLUSTER_SECRET"), [CASES[c] for c in spec["cases"]], spec["requests"],
-                 spec["model"], spec["seed"], spec["router_node"])
+    rows = drive(
+        TwoNodes.attach(spec["nodes"]),
+        spec["router"],
+        spec["http"],
+        spec["workers"],
+        os.environ.get("PDSERVE_CLUSTER_SECRET"),
+        [CASES[c] for c in spec["cases"]],
+        spec["requests"],
+        spec["model"],
+        spec["seed"],
+        spec["router_node"],
+    )
     print(json.dumps(rows))

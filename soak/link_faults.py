@@ -49,8 +49,11 @@ class LinkShape:
             raise ValueError(f"delay_ms must be >= 0, got {self.delay_ms}")
 
     def __str__(self) -> str:
-        parts = ([f"{self.rate_mbit:g} Mbit/s"] if self.rate_mbit else []) + (
-            [f"loss {self.loss_pct:g}%"] if self.loss_pct else []) + ([f"delay {self.delay_ms:g} ms"] if self.delay_ms else [])
+        parts = (
+            ([f"{self.rate_mbit:g} Mbit/s"] if self.rate_mbit else [])
+            + ([f"loss {self.loss_pct:g}%"] if self.loss_pct else [])
+            + ([f"delay {self.delay_ms:g} ms"] if self.delay_ms else [])
+        )
         return ", ".join(parts) or "clean"
 
 
@@ -58,10 +61,12 @@ def loss_bytecode(loss_pct: float) -> str:
     """A classic BPF program, in ``tc ... bpf bytecode`` form, that matches a packet (returns -1: the
     filter's class) with probability ``loss_pct`` percent and else returns 0 (no match)."""
     threshold = min(int(loss_pct / 100.0 * 2**32), 2**32 - 1)
-    prog = [(0x20, 0, 0, BPF_RANDOM),  # ld [random]
-            (0x35, 1, 0, threshold),  # jge #threshold: skip the match
-            (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1: matched
-            (0x06, 0, 0, 0)]  # ret #0: not matched
+    prog = [
+        (0x20, 0, 0, BPF_RANDOM),  # ld [random]
+        (0x35, 1, 0, threshold),  # jge #threshold: skip the match
+        (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1: matched
+        (0x06, 0, 0, 0),
+    ]  # ret #0: not matched
     return f"{len(prog)}," + ",".join(" ".join(map(str, ins)) for ins in prog)
 
 
@@ -75,8 +80,9 @@ def tc(ns: str, args: list[str], check: bool = True) -> subprocess.CompletedProc
     ``check``."""
     if shutil.which("tc") is None:
         raise LinkFaultUnavailable("no `tc` command (iproute2)")
-    res = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True,
-                         timeout=CMD_TIMEOUT_S)
+    res = subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=CMD_TIMEOUT_S
+    )
     if check and res.returncode != 0:
         raise LinkFaultUnavailable(f"tc {' '.join(args)}: {res.stderr.strip() or f'exit {res.returncode}'}")
     return res
@@ -101,8 +107,9 @@ def shape_link(nodes: TwoNodes, shape: LinkShape) -> str:
     clear_link(nodes)
     missing = netem_missing(nodes)
     if missing and shape.delay_ms:
-        raise LinkFaultUnavailable(f"a delay needs tc netem, which this kernel lacks ({missing}); no other qdisc "
-                                   f"here holds packets back")
+        raise LinkFaultUnavailable(
+            f"a delay needs tc netem, which this kernel lacks ({missing}); no other qdisc here holds packets back"
+        )
     try:
         for ns, dev in _ends(nodes):
             if not missing:
@@ -114,14 +121,66 @@ def shape_link(nodes: TwoNodes, shape: LinkShape) -> str:
                 continue
             tc(ns, ["qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
             rate = f"{shape.rate_mbit:g}mbit" if shape.rate_mbit else LINE_RATE
-            tc(ns, ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
-                    "quantum", str(HTB_QUANTUM)])
+            tc(
+                ns,
+                [
+                    "class",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:",
+                    "classid",
+                    "1:1",
+                    "htb",
+                    "rate",
+                    rate,
+                    "ceil",
+                    rate,
+                    "quantum",
+                    str(HTB_QUANTUM),
+                ],
+            )
             if shape.loss_pct:  # the lost share goes to class 1:2, whose queue holds no packet
-                tc(ns, ["class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", LINE_RATE,
-                        "quantum", str(HTB_QUANTUM)])
+                tc(
+                    ns,
+                    [
+                        "class",
+                        "add",
+                        "dev",
+                        dev,
+                        "parent",
+                        "1:",
+                        "classid",
+                        "1:2",
+                        "htb",
+                        "rate",
+                        LINE_RATE,
+                        "quantum",
+                        str(HTB_QUANTUM),
+                    ],
+                )
                 tc(ns, ["qdisc", "add", "dev", dev, "parent", "1:2", "handle", "2:", "pfifo", "limit", "0"])
-                tc(ns, ["filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "1", "bpf",
-                        "bytecode", loss_bytecode(shape.loss_pct), "flowid", "1:2"])
+                tc(
+                    ns,
+                    [
+                        "filter",
+                        "add",
+                        "dev",
+                        dev,
+                        "parent",
+                        "1:",
+                        "protocol",
+                        "all",
+                        "prio",
+                        "1",
+                        "bpf",
+                        "bytecode",
+                        loss_bytecode(shape.loss_pct),
+                        "flowid",
+                        "1:2",
+                    ],
+                )
     except BaseException:
         clear_link(nodes)
         raise
@@ -138,7 +197,11 @@ def set_link(nodes: TwoNodes, up: bool) -> None:
     """Bring the worker node's veth end down (a cut: the head's end loses its carrier) or up again.
     LinkFaultUnavailable when ``ip`` fails."""
     ns, dev = _ends(nodes)[1]
-    res = subprocess.run(["ip", "-n", ns, "link", "set", dev, "up" if up else "down"], capture_output=True,
-                         text=True, timeout=CMD_TIMEOUT_S)
+    res = subprocess.run(
+        ["ip", "-n", ns, "link", "set", dev, "up" if up else "down"],
+        capture_output=True,
+        text=True,
+        timeout=CMD_TIMEOUT_S,
+    )
     if res.returncode != 0:
         raise LinkFaultUnavailable(f"ip -n {ns} link set {dev}: {res.stderr.strip() or f'exit {res.returncode}'}")

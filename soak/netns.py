@@ -31,10 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 RAY_PORT = 6379
 PREFILL_RESOURCE, DECODE_RESOURCE = "pdserve_prefill", "pdserve_decode"
@@ -111,11 +111,17 @@ class TwoNodes:
 
     def describe(self) -> dict:
         """What another process needs to drive these namespaces (``TwoNodes.attach``)."""
-        return {"head_ns": self.head_ns, "worker_ns": self.worker_ns, "head_ip": self.head_ip,
-                "worker_ip": self.worker_ip, "veth": list(self.veth), "workdir": str(self.workdir)}
+        return {
+            "head_ns": self.head_ns,
+            "worker_ns": self.worker_ns,
+            "head_ip": self.head_ip,
+            "worker_ip": self.worker_ip,
+            "veth": list(self.veth),
+            "workdir": str(self.workdir),
+        }
 
     @classmethod
-    def attach(cls, description: dict) -> "TwoNodes":
+    def attach(cls, description: dict) -> TwoNodes:
         """The namespaces ``describe`` describes, made by another process, which also tears them down
         (this object's ``close`` kills nothing and deletes nothing but ``workdir``: do not call it)."""
         d = dict(description)
@@ -127,8 +133,10 @@ class TwoNodes:
         steps = [lambda ns=ns: _kill_all(self, ns) for ns in reversed(self._made)]
         steps += [lambda ns=ns: _ip(["netns", "del", ns], check=False) for ns in reversed(self._made)]
         # a veth end is only left in our own namespace when setup failed before moving it
-        steps += [lambda name=name: Path(f"/sys/class/net/{name}").exists() and _ip(["link", "del", name], check=False)
-                  for name in self.veth]
+        steps += [
+            lambda name=name: Path(f"/sys/class/net/{name}").exists() and _ip(["link", "del", name], check=False)
+            for name in self.veth
+        ]
         for step in steps:
             try:
                 step()
@@ -171,16 +179,23 @@ def make_namespaces() -> TwoNodes:
         raise NetnsUnavailable("no `ip` command (iproute2)")
     tag = secrets.token_hex(3)
     third, fourth = random.randrange(256), random.randrange(64) * 4  # a /30 inside 10.213.0.0/16
-    nodes = TwoNodes(head_ns=f"pdserve-h-{tag}", worker_ns=f"pdserve-w-{tag}",
-                     head_ip=f"10.213.{third}.{fourth + 1}", worker_ip=f"10.213.{third}.{fourth + 2}",
-                     veth=(f"pdsv{tag}h", f"pdsv{tag}w"), workdir=Path(tempfile.mkdtemp(prefix="pdserve-2nodes-")))
+    nodes = TwoNodes(
+        head_ns=f"pdserve-h-{tag}",
+        worker_ns=f"pdserve-w-{tag}",
+        head_ip=f"10.213.{third}.{fourth + 1}",
+        worker_ip=f"10.213.{third}.{fourth + 2}",
+        veth=(f"pdsv{tag}h", f"pdsv{tag}w"),
+        workdir=Path(tempfile.mkdtemp(prefix="pdserve-2nodes-")),
+    )
     try:
         for ns in (nodes.head_ns, nodes.worker_ns):
             _ip(["netns", "add", ns])
             nodes._made.append(ns)
         _ip(["link", "add", nodes.veth[0], "type", "veth", "peer", "name", nodes.veth[1]])
-        for ns, dev, ip in ((nodes.head_ns, nodes.veth[0], nodes.head_ip),
-                            (nodes.worker_ns, nodes.veth[1], nodes.worker_ip)):
+        for ns, dev, ip in (
+            (nodes.head_ns, nodes.veth[0], nodes.head_ip),
+            (nodes.worker_ns, nodes.veth[1], nodes.worker_ip),
+        ):
             _ip(["link", "set", dev, "netns", ns])
             _ip(["-n", ns, "addr", "add", f"{ip}/30", "dev", dev])
             _ip(["-n", ns, "link", "set", "lo", "up"])
@@ -197,9 +212,14 @@ def _ray_start(nodes: TwoNodes, ns: str, args: list[str], log_name: str, env: di
     log_path = nodes.workdir / log_name
     with open(log_path, "w") as log:
         try:
-            res = nodes.run(ns, [sys.executable, "-m", "ray.scripts.scripts", "start", *args],
-                            timeout_s=RAY_START_TIMEOUT_S, stdout=log, stderr=subprocess.STDOUT,
-                            env=env or nodes.env())
+            res = nodes.run(
+                ns,
+                [sys.executable, "-m", "ray.scripts.scripts", "start", *args],
+                timeout_s=RAY_START_TIMEOUT_S,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env or nodes.env(),
+            )
             ok = res.returncode == 0
         except subprocess.TimeoutExpired:
             ok = False
@@ -214,17 +234,53 @@ def start_ray_nodes(nodes: TwoNodes, cpus_per_node: int = 1, object_store_bytes:
     temp dir under ``workdir`` (so neither touches another Ray instance's /tmp/ray)."""
     nodes.token_path.write_text(secrets.token_hex(32))
     nodes.token_path.chmod(0o600)
-    common = ["--num-cpus", str(cpus_per_node), "--num-gpus", "0", "--disable-usage-stats",
-              "--object-store-memory", str(object_store_bytes)]
+    common = [
+        "--num-cpus",
+        str(cpus_per_node),
+        "--num-gpus",
+        "0",
+        "--disable-usage-stats",
+        "--object-store-memory",
+        str(object_store_bytes),
+    ]
     # the GCS (on the head) drops a node after this many missed health checks: room for a link cut
     head_env = nodes.env(RAY_health_check_failure_threshold=str(RAY_HEALTH_CHECK_FAILURES))
-    _ray_start(nodes, nodes.head_ns, ["--head", "--node-ip-address", nodes.head_ip, "--port", str(RAY_PORT),
-                                      "--include-dashboard", "false", "--temp-dir", str(nodes.workdir / "ray-head"),
-                                      "--resources", json.dumps({PREFILL_RESOURCE: 1}), *common], "ray-head.log",
-               env=head_env)
-    _ray_start(nodes, nodes.worker_ns, ["--address", nodes.head_address, "--node-ip-address", nodes.worker_ip,
-                                        "--temp-dir", str(nodes.workdir / "ray-worker"),
-                                        "--resources", json.dumps({DECODE_RESOURCE: 1}), *common], "ray-worker.log")
+    _ray_start(
+        nodes,
+        nodes.head_ns,
+        [
+            "--head",
+            "--node-ip-address",
+            nodes.head_ip,
+            "--port",
+            str(RAY_PORT),
+            "--include-dashboard",
+            "false",
+            "--temp-dir",
+            str(nodes.workdir / "ray-head"),
+            "--resources",
+            json.dumps({PREFILL_RESOURCE: 1}),
+            *common,
+        ],
+        "ray-head.log",
+        env=head_env,
+    )
+    _ray_start(
+        nodes,
+        nodes.worker_ns,
+        [
+            "--address",
+            nodes.head_address,
+            "--node-ip-address",
+            nodes.worker_ip,
+            "--temp-dir",
+            str(nodes.workdir / "ray-worker"),
+            "--resources",
+            json.dumps({DECODE_RESOURCE: 1}),
+            *common,
+        ],
+        "ray-worker.log",
+    )
 
 
 @contextmanager
@@ -244,13 +300,25 @@ def run_on_two_nodes(pdserve_args: list[str], timeout_s: float) -> int:
     head's namespace of two fresh Ray nodes, its output on ours; its exit status (124 past
     ``timeout_s`` seconds). Everything is torn down after."""
     with two_nodes() as nodes:
-        print(f"two Ray nodes: head (prefill) {nodes.head_ip} in namespace {nodes.head_ns}, worker (decode) "
-              f"{nodes.worker_ip} in {nodes.worker_ns}", flush=True)
-        argv = [sys.executable, "-m", "pdserve.cli.main", *pdserve_args, "--address", nodes.head_address,
-                "--prefill-resource", PREFILL_RESOURCE, "--decode-resource", DECODE_RESOURCE]
+        print(
+            f"two Ray nodes: head (prefill) {nodes.head_ip} in namespace {nodes.head_ns}, worker (decode) "
+            f"{nodes.worker_ip} in {nodes.worker_ns}",
+            flush=True,
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve.cli.main",
+            *pdserve_args,
+            "--address",
+            nodes.head_address,
+            "--prefill-resource",
+            PREFILL_RESOURCE,
+            "--decode-resource",
+            DECODE_RESOURCE,
+        ]
         try:
             return nodes.run(nodes.head_ns, argv, timeout_s=timeout_s).returncode
         except subprocess.TimeoutExpired:
             print(f"error: still running after {timeout_s:.0f}s; stopped", file=sys.stderr)
             return 124
-

@@ -44,65 +44,95 @@ async def _offered(address: str, requests) -> None:
         await asyncio.gather(*(_one(client, r, t0) for r in requests))
 
 
-def run_overload(model: str = "embedded", seconds: float = 60.0, factor: float = 2.0, num_prefill: int = 2,
-                 num_decode: int = 2, max_requests_per_worker: int = 16, length_scale: float = 0.1,
-                 seed: int = 0) -> dict:
+def run_overload(
+    model: str = "embedded",
+    seconds: float = 60.0,
+    factor: float = 2.0,
+    num_prefill: int = 2,
+    num_decode: int = 2,
+    max_requests_per_worker: int = 16,
+    length_scale: float = 0.1,
+    seed: int = 0,
+) -> dict:
     """Run the phase and return its figures (``overload_lines`` formats them). ``seconds``: how
     long requests arrive; ``factor``: the offered rate over the measured capacity."""
     from pdserve.cluster.config import ClusterConfig
     from pdserve.cluster.launch import start_cluster
-    from pdserve.soak.trace_soak import build_requests
-    from pdserve.soak.checks import greedy_mismatches, settled_blocks
     from pdserve.engine.config import EngineConfig, ModelConfig
     from pdserve.engine.models.loader import resolve_model_dir
+    from pdserve.soak.checks import greedy_mismatches, settled_blocks
+    from pdserve.soak.trace_soak import build_requests
 
     model_dir = resolve_model_dir(model)
     mc = ModelConfig.from_folder(model_dir)
     max_len = min(mc.max_position_embeddings, 1024)
     engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=max_len, kv_cache_gib=0.5)
-    cfg = ClusterConfig(engine=engine_cfg, placement="split", router_port=0, http_port=0, num_prefill=num_prefill,
-                        num_decode=num_decode, max_requests_per_worker=max_requests_per_worker)
+    cfg = ClusterConfig(
+        engine=engine_cfg,
+        placement="split",
+        router_port=0,
+        http_port=0,
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        max_requests_per_worker=max_requests_per_worker,
+    )
     burst = min(CALIBRATION_REQUESTS, num_decode * max_requests_per_worker or CALIBRATION_REQUESTS)
-    warm_up, calibration = (build_requests(burst, 1.0, mc.vocab_size, max_len, seed + k, 0.0, 0.0,
-                                           length_scale) for k in (1, 2))
+    warm_up, calibration = (
+        build_requests(burst, 1.0, mc.vocab_size, max_len, seed + k, 0.0, 0.0, length_scale) for k in (1, 2)
+    )
     with start_cluster(cfg) as cluster:
         asyncio.run(_burst(cluster.address, warm_up))
         capacity = asyncio.run(_burst(cluster.address, calibration))
         rate = factor * capacity
-        requests = build_requests(max(1, math.ceil(rate * seconds)), rate, mc.vocab_size, max_len, seed, 0.0, 0.0,
-                                  length_scale)
+        requests = build_requests(
+            max(1, math.ceil(rate * seconds)), rate, mc.vocab_size, max_len, seed, 0.0, 0.0, length_scale
+        )
         t = time.monotonic()
         asyncio.run(_offered(cluster.address, requests))
         elapsed = time.monotonic() - t
         used = asyncio.run(settled_blocks(cluster))
     done = [r for r in requests if r.outcome == "completed"]
     refused = [r for r in requests if r.outcome == "RESOURCE_EXHAUSTED"]
-    return {"capacity_rps": capacity, "rate_rps": rate, "seconds": seconds, "requests": len(requests),
-            "elapsed_s": elapsed, "outcomes": Counter(r.outcome for r in requests),
-            "hung": sum(r.outcome in ("hung", "") for r in requests), "used_blocks": used,
-            "mismatches": greedy_mismatches(engine_cfg, done),
-            "ttft_p50_s": statistics.median(r.ttft_s for r in done) if done else float("nan"),
-            "ttft_max_s": max((r.ttft_s for r in done), default=float("nan")),
-            "e2e_max_s": max((r.ended_s for r in done), default=float("nan")),
-            "refusal_max_s": max((r.ended_s for r in refused), default=float("nan")),
-            "workers": f"{num_prefill} + {num_decode}", "max_requests_per_worker": max_requests_per_worker}
+    return {
+        "capacity_rps": capacity,
+        "rate_rps": rate,
+        "seconds": seconds,
+        "requests": len(requests),
+        "elapsed_s": elapsed,
+        "outcomes": Counter(r.outcome for r in requests),
+        "hung": sum(r.outcome in ("hung", "") for r in requests),
+        "used_blocks": used,
+        "mismatches": greedy_mismatches(engine_cfg, done),
+        "ttft_p50_s": statistics.median(r.ttft_s for r in done) if done else float("nan"),
+        "ttft_max_s": max((r.ttft_s for r in done), default=float("nan")),
+        "e2e_max_s": max((r.ended_s for r in done), default=float("nan")),
+        "refusal_max_s": max((r.ended_s for r in refused), default=float("nan")),
+        "workers": f"{num_prefill} + {num_decode}",
+        "max_requests_per_worker": max_requests_per_worker,
+    }
 
 
 def overload_lines(s: dict) -> list[str]:
     o = s["outcomes"]
     other = {k: v for k, v in o.items() if k not in ("completed", "RESOURCE_EXHAUSTED", "hung", "")}
-    return [f"overload: {s['workers']} workers, capacity {s['capacity_rps']:.2f} req/s measured; "
-            f"{s['requests']} requests at {s['rate_rps']:.2f} req/s for {s['seconds']:.0f}s "
-            f"(--max-requests-per-worker {s['max_requests_per_worker']}), all ended in {s['elapsed_s']:.0f}s",
-            "| completed | refused (RESOURCE_EXHAUSTED) | failed otherwise | hung | leaked KV blocks | greedy "
-            "mismatches | TTFT p50 s | TTFT max s | e2e max s | slowest refusal s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-            f"| {o.get('completed', 0)} | {o.get('RESOURCE_EXHAUSTED', 0)} | {sum(other.values())} {other or ''} | "
-            f"{s['hung']} | {sum(s['used_blocks'].values())} | {s['mismatches']} | {s['ttft_p50_s']:.2f} | "
-            f"{s['ttft_max_s']:.2f} | {s['e2e_max_s']:.2f} | {s['refusal_max_s']:.3f} |"]
+    return [
+        f"overload: {s['workers']} workers, capacity {s['capacity_rps']:.2f} req/s measured; "
+        f"{s['requests']} requests at {s['rate_rps']:.2f} req/s for {s['seconds']:.0f}s "
+        f"(--max-requests-per-worker {s['max_requests_per_worker']}), all ended in {s['elapsed_s']:.0f}s",
+        "| completed | refused (RESOURCE_EXHAUSTED) | failed otherwise | hung | leaked KV blocks | greedy "
+        "mismatches | TTFT p50 s | TTFT max s | e2e max s | slowest refusal s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {o.get('completed', 0)} | {o.get('RESOURCE_EXHAUSTED', 0)} | {sum(other.values())} {other or ''} | "
+        f"{s['hung']} | {sum(s['used_blocks'].values())} | {s['mismatches']} | {s['ttft_p50_s']:.2f} | "
+        f"{s['ttft_max_s']:.2f} | {s['e2e_max_s']:.2f} | {s['refusal_max_s']:.3f} |",
+    ]
 
 
 def overload_ok(s: dict) -> bool:
     """Every request ended, completed or refused; nothing hung or leaked; no wrong token."""
-    return (s["hung"] == 0 and not any(s["used_blocks"].values()) and s["mismatches"] == 0
-            and set(s["outcomes"]) <= {"completed", "RESOURCE_EXHAUSTED"})
+    return (
+        s["hung"] == 0
+        and not any(s["used_blocks"].values())
+        and s["mismatches"] == 0
+        and set(s["outcomes"]) <= {"completed", "RESOURCE_EXHAUSTED"}
+    )

@@ -51,8 +51,16 @@ class SoakRequest:
     ended_s: float = float("nan")  # sent to its last message or error
 
 
-def build_requests(n: int, rate: float, vocab: int, max_model_len: int, seed: int, cancel_frac: float,
-                   deadline_frac: float, length_scale: float) -> list[SoakRequest]:
+def build_requests(
+    n: int,
+    rate: float,
+    vocab: int,
+    max_model_len: int,
+    seed: int,
+    cancel_frac: float,
+    deadline_frac: float,
+    length_scale: float,
+) -> list[SoakRequest]:
     from pdserve.loadgen.workload import clip_lengths, load_trace, poisson_arrivals, scale_to_rate, window
 
     rng = random.Random(seed)
@@ -60,8 +68,11 @@ def build_requests(n: int, rate: float, vocab: int, max_model_len: int, seed: in
         rows = scale_to_rate(window(load_trace("azure-conv"), 0.0, None, n), rate)
         arrivals, lengths = [r.t_s for r in rows], [(r.input_tokens, r.output_tokens) for r in rows]
     except FileNotFoundError:  # no datasets folder: Poisson arrivals, lengths like the trace's
-        print(f"soak: no Azure trace found (datasets folder); Poisson arrivals at {rate:g} req/s with "
-              f"trace-like lengths instead", flush=True)
+        print(
+            f"soak: no Azure trace found (datasets folder); Poisson arrivals at {rate:g} req/s with "
+            f"trace-like lengths instead",
+            flush=True,
+        )
         arrivals = poisson_arrivals(rate, n, seed)
         lengths = [(int(rng.lognormvariate(6.5, 1.0)), int(rng.lognormvariate(5.3, 0.8))) for _ in range(n)]
     out = []
@@ -69,8 +80,16 @@ def build_requests(n: int, rate: float, vocab: int, max_model_len: int, seed: in
         inp, outp = clip_lengths(inp, outp, max_model_len, length_scale, max_model_len // 2, 256)
         u = rng.random()
         action = "cancel" if u < cancel_frac else "deadline" if u < cancel_frac + deadline_frac else "normal"
-        out.append(SoakRequest(i, t, [rng.randrange(3, vocab) for _ in range(inp)], outp, action,
-                               cancel_after_s=rng.uniform(0.002, 0.1)))
+        out.append(
+            SoakRequest(
+                i,
+                t,
+                [rng.randrange(3, vocab) for _ in range(inp)],
+                outp,
+                action,
+                cancel_after_s=rng.uniform(0.002, 0.1),
+            )
+        )
     return out
 
 
@@ -148,51 +167,78 @@ async def _run_load(cluster, requests: list[SoakRequest], kills: list[str]) -> l
     return recoveries
 
 
-def run_soak(model: str = "embedded", num_requests: int = 1000, rate: float = 8.0, kills=("decode", "prefill"),
-             cancel_frac: float = 0.10, deadline_frac: float = 0.05, length_scale: float = 0.1,
-             seed: int = 0, ray_address: str | None = None, prefill_resource: str | None = None,
-             decode_resource: str | None = None) -> dict:
+def run_soak(
+    model: str = "embedded",
+    num_requests: int = 1000,
+    rate: float = 8.0,
+    kills=("decode", "prefill"),
+    cancel_frac: float = 0.10,
+    deadline_frac: float = 0.05,
+    length_scale: float = 0.1,
+    seed: int = 0,
+    ray_address: str | None = None,
+    prefill_resource: str | None = None,
+    decode_resource: str | None = None,
+) -> dict:
     """Run the soak and return its figures (``summary_lines`` formats them). ``ray_address``: join
     that Ray cluster instead of starting a local one; ``*_resource``: pin each role (ClusterConfig)."""
     from pdserve.cluster.config import ClusterConfig
     from pdserve.cluster.launch import start_cluster
-    from pdserve.soak.checks import greedy_mismatches, scrape_migrations, settled_blocks
     from pdserve.engine.config import EngineConfig, ModelConfig
     from pdserve.engine.models.loader import resolve_model_dir
+    from pdserve.soak.checks import greedy_mismatches, scrape_migrations, settled_blocks
 
     model_dir = resolve_model_dir(model)
     mc = ModelConfig.from_folder(model_dir)
     max_len = min(mc.max_position_embeddings, 1024)
-    requests = build_requests(num_requests, rate, mc.vocab_size, max_len, seed, cancel_frac, deadline_frac,
-                              length_scale)
+    requests = build_requests(
+        num_requests, rate, mc.vocab_size, max_len, seed, cancel_frac, deadline_frac, length_scale
+    )
     engine_cfg = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=max_len, kv_cache_gib=1.0)
     t = time.monotonic()
-    cfg = ClusterConfig(engine=engine_cfg, placement="split", router_port=0, http_port=0, ray_address=ray_address,
-                        prefill_resource=prefill_resource, decode_resource=decode_resource)
+    cfg = ClusterConfig(
+        engine=engine_cfg,
+        placement="split",
+        router_port=0,
+        http_port=0,
+        ray_address=ray_address,
+        prefill_resource=prefill_resource,
+        decode_resource=decode_resource,
+    )
     with start_cluster(cfg) as cluster:
         recoveries = asyncio.run(_run_load(cluster, requests, list(kills)))
         used = asyncio.run(settled_blocks(cluster))
         migrated = scrape_migrations(cluster.http_address)
     elapsed = time.monotonic() - t
     mismatches = greedy_mismatches(engine_cfg, [r for r in requests if r.outcome == "completed"])
-    return {"requests": len(requests), "elapsed_s": elapsed, "outcomes": Counter(r.outcome for r in requests),
-            "by_action": {a: dict(Counter(r.outcome for r in requests if r.action == a))
-                          for a in ("normal", "cancel", "deadline")},
-            "actions": Counter(r.action for r in requests), "migrated": migrated, "used_blocks": used,
-            "mismatches": mismatches, "recoveries": recoveries,
-            "hung": sum(r.outcome in ("hung", "") for r in requests)}
+    return {
+        "requests": len(requests),
+        "elapsed_s": elapsed,
+        "outcomes": Counter(r.outcome for r in requests),
+        "by_action": {
+            a: dict(Counter(r.outcome for r in requests if r.action == a)) for a in ("normal", "cancel", "deadline")
+        },
+        "actions": Counter(r.action for r in requests),
+        "migrated": migrated,
+        "used_blocks": used,
+        "mismatches": mismatches,
+        "recoveries": recoveries,
+        "hung": sum(r.outcome in ("hung", "") for r in requests),
+    }
 
 
 def summary_lines(s: dict) -> list[str]:
     o = s["outcomes"]
     failed = {k: v for k, v in o.items() if k not in ("completed", "cancelled", "hung", "")}
-    lines = [f"{s['requests']} requests in {s['elapsed_s']:.0f}s (asked: {dict(s['actions'])})",
-             f"completed {o.get('completed', 0)} (of which migrated {s['migrated']}), cancelled by the client "
-             f"{o.get('cancelled', 0)}, failed with a status {sum(failed.values())} {failed or ''}",
-             f"outcomes by what the client did: {s['by_action']}",
-             f"hung {s['hung']} (must be 0)",
-             f"used KV blocks at the end: {s['used_blocks']} (must be 0)",
-             f"greedy mismatches against an undisturbed run: {s['mismatches']} (must be 0)"]
+    lines = [
+        f"{s['requests']} requests in {s['elapsed_s']:.0f}s (asked: {dict(s['actions'])})",
+        f"completed {o.get('completed', 0)} (of which migrated {s['migrated']}), cancelled by the client "
+        f"{o.get('cancelled', 0)}, failed with a status {sum(failed.values())} {failed or ''}",
+        f"outcomes by what the client did: {s['by_action']}",
+        f"hung {s['hung']} (must be 0)",
+        f"used KV blocks at the end: {s['used_blocks']} (must be 0)",
+        f"greedy mismatches against an undisturbed run: {s['mismatches']} (must be 0)",
+    ]
     lines += [f"{role} worker killed: serving again after {sec:.1f}s" for role, sec in s["recoveries"]]
     return lines
 
@@ -204,14 +250,23 @@ def cmd_soak(args) -> int:
         if args.address or args.prefill_resource or args.decode_resource:
             raise ValueError("--two-nodes makes its own Ray cluster: drop --address and the --*-resource flags")
         return _soak_on_two_nodes(args)
-    s = run_soak(args.model or "embedded", args.num_requests, args.rate, list(args.kills), args.cancel_frac,
-                 args.deadline_frac, args.length_scale, args.seed, args.address, args.prefill_resource,
-                 args.decode_resource)
+    s = run_soak(
+        args.model or "embedded",
+        args.num_requests,
+        args.rate,
+        list(args.kills),
+        args.cancel_frac,
+        args.deadline_frac,
+        args.length_scale,
+        args.seed,
+        args.address,
+        args.prefill_resource,
+        args.decode_resource,
+    )
     for line in summary_lines(s):
         print(line)
     plain = s["by_action"]["normal"]
-    ok = (s["hung"] == 0 and not any(s["used_blocks"].values()) and s["mismatches"] == 0
-          and set(plain) <= {"completed"})
+    ok = s["hung"] == 0 and not any(s["used_blocks"].values()) and s["mismatches"] == 0 and set(plain) <= {"completed"}
     if set(plain) - {"completed"}:
         print(f"plain requests that did not complete: { {k: v for k, v in plain.items() if k != 'completed'} }")
     if args.overload_s and not args.address:
@@ -227,9 +282,24 @@ def _soak_on_two_nodes(args) -> int:
     """This soak again, on two fresh Ray nodes in network namespaces (torn down after)."""
     from pdserve.soak.netns import run_on_two_nodes
 
-    flags = ["--num-requests", str(args.num_requests), "--rate", repr(args.rate), "--kills", ",".join(args.kills),
-             "--cancel-frac", repr(args.cancel_frac), "--deadline-frac", repr(args.deadline_frac),
-             "--length-scale", repr(args.length_scale), "--seed", str(args.seed), "--overload-s", "0"]
+    flags = [
+        "--num-requests",
+        str(args.num_requests),
+        "--rate",
+        repr(args.rate),
+        "--kills",
+        ",".join(args.kills),
+        "--cancel-frac",
+        repr(args.cancel_frac),
+        "--deadline-frac",
+        repr(args.deadline_frac),
+        "--length-scale",
+        repr(args.length_scale),
+        "--seed",
+        str(args.seed),
+        "--overload-s",
+        "0",
+    ]
     flags += ["--model", args.model] if args.model else []
     # the run's own waits are bounded well within this
     return run_on_two_nodes(["soak", *flags], timeout_s=args.num_requests / args.rate + 1800.0)
@@ -252,18 +322,29 @@ def add_soak_parser(sub) -> None:
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--num-requests", type=positive_int, default=1000)
     p.add_argument("--rate", type=positive_float, default=8.0, help="mean request rate, req/s")
-    p.add_argument("--kills", type=_kills, default=("decode", "prefill"),
-                   help="workers to kill in turn mid-run: decode and/or prefill, comma-separated ('' = none)")
+    p.add_argument(
+        "--kills",
+        type=_kills,
+        default=("decode", "prefill"),
+        help="workers to kill in turn mid-run: decode and/or prefill, comma-separated ('' = none)",
+    )
     p.add_argument("--cancel-frac", type=fraction, default=0.10, help="share of requests their client cancels")
-    p.add_argument("--deadline-frac", type=fraction, default=0.05,
-                   help="share of requests with a deadline too tight to make")
+    p.add_argument(
+        "--deadline-frac", type=fraction, default=0.05, help="share of requests with a deadline too tight to make"
+    )
     p.add_argument("--length-scale", type=positive_float, default=0.1)
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--overload-s", type=non_negative_int, default=60,
-                   help="then twice the measured capacity for this many seconds on 2 + 2 workers (0: skip)")
-    p.add_argument("--two-nodes", action="store_true",
-                   help="across two real Ray nodes in two network namespaces (root): prefill on one, decode on the "
-                        "other")
+    p.add_argument(
+        "--overload-s",
+        type=non_negative_int,
+        default=60,
+        help="then twice the measured capacity for this many seconds on 2 + 2 workers (0: skip)",
+    )
+    p.add_argument(
+        "--two-nodes",
+        action="store_true",
+        help="across two real Ray nodes in two network namespaces (root): prefill on one, decode on the other",
+    )
     p.add_argument("--address", default=None, help="Ray cluster to join (default: a local Ray instance)")
     add_role_resource_args(p)
     p.set_defaults(func=cmd_soak)

@@ -14,12 +14,90 @@ STORIES = SHARED / "models" / "stories260K-hf"
 
 # Greedy references from ../shared/models/stories260K-hf/SOURCE.md (max_new_tokens=40).
 STORIES_REFERENCES = {
-    "Once upon a time": [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410,
-                         408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370,
-                         432, 352, 266, 268, 388, 426],
-    "Lily and Tom went to the park": [426, 342, 394, 261, 370, 268, 414, 444, 335, 261, 370, 268, 414, 444, 426,
-                                      342, 391, 266, 267, 337, 335, 312, 426, 342, 391, 266, 267, 337, 335, 265,
-                                      268, 414, 444, 426, 342, 391, 266, 267, 337, 335],
+    "Once upon a time": [
+        432,
+        383,
+        286,
+        261,
+        376,
+        298,
+        315,
+        421,
+        395,
+        317,
+        426,
+        338,
+        401,
+        396,
+        267,
+        337,
+        410,
+        408,
+        419,
+        292,
+        411,
+        322,
+        265,
+        282,
+        295,
+        433,
+        426,
+        385,
+        328,
+        432,
+        358,
+        394,
+        261,
+        370,
+        432,
+        352,
+        266,
+        268,
+        388,
+        426,
+    ],
+    "Lily and Tom went to the park": [
+        426,
+        342,
+        394,
+        261,
+        370,
+        268,
+        414,
+        444,
+        335,
+        261,
+        370,
+        268,
+        414,
+        444,
+        426,
+        342,
+        391,
+        266,
+        267,
+        337,
+        335,
+        312,
+        426,
+        342,
+        391,
+        266,
+        267,
+        337,
+        335,
+        265,
+        268,
+        414,
+        444,
+        426,
+        342,
+        391,
+        266,
+        267,
+        337,
+        335,
+    ],
 }
 
 
@@ -83,9 +161,10 @@ def _hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int)
 
     model, _ = _hf(model_dir)
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=0)
-    return tuple(out[0, len(prompt_ids):].tolist())
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 def hf_tokenizer(model_dir: Path):
@@ -97,7 +176,14 @@ def mixed_prompts() -> list[str]:
     story = "The little dog ran to the park and played with a red ball until the sun went down. "
     zh = "小明今天去公园玩，他看到了一只可爱的小狗。"
     return [
-        "Hi", "Once upon a time", "Lily and Tom went to the park", "请写一首关于春天的诗。",
-        "How can I improve my time management skills?", zh, story * 3, zh * 6, story * 12,
+        "Hi",
+        "Once upon a time",
+        "Lily and Tom went to the park",
+        "请写一首关于春天的诗。",
+        "How can I improve my time management skills?",
+        zh,
+        story * 3,
+        zh * 6,
+        story * 12,
         "草拟一封专业邮件，寻求您的主管对您准备的季度财务报告的反馈。" + story * 4,
     ]

@@ -16,8 +16,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "pdserve"
-PACKAGES = ("proto", "engine", "rpc", "worker", "prefill_worker", "decode_worker", "colocated_worker", "router",
-            "cluster", "loadgen", "soak", "cli")
+PACKAGES = (
+    "proto",
+    "engine",
+    "rpc",
+    "worker",
+    "prefill_worker",
+    "decode_worker",
+    "colocated_worker",
+    "router",
+    "cluster",
+    "loadgen",
+    "soak",
+    "cli",
+)
 ALL_FOLDERS = PACKAGES  # every folder that installs under the namespace
 ROLES = ("prefill_worker", "decode_worker", "colocated_worker")
 # Which of our folders each folder may import (``v1``: the generated gRPC stubs). Each folder imports
@@ -118,7 +130,7 @@ def project_targets(imp: Import, root: Path) -> list[Path]:
 
 def closure(starts: list[Path], root: Path) -> dict[Path, Path | None]:
     """Project files reachable from ``starts``, each mapped to the file that first imported it."""
-    parent: dict[Path, Path | None] = {p: None for p in starts}
+    parent: dict[Path, Path | None] = dict.fromkeys(starts)
     todo = deque(starts)
     while todo:
         path = todo.popleft()
@@ -142,14 +154,22 @@ def chain(path: Path, parent: dict[Path, Path | None], root: Path) -> str:
 
 
 def forbidden_imports(package: str, forbidden: set[str], root: Path = ROOT) -> list[str]:
-    return [imp.where(root) for path in source_files(root, package)
-            for imp in imports_of(path, root) if imp.top in forbidden]
+    return [
+        imp.where(root)
+        for path in source_files(root, package)
+        for imp in imports_of(path, root)
+        if imp.top in forbidden
+    ]
 
 
 def transitive_violations(package: str, forbidden: set[str], root: Path = ROOT) -> list[str]:
     parent = closure(source_files(root, package), root)
-    return [f"{imp.where(root)} (reached via {chain(path, parent, root)})"
-            for path in sorted(parent) for imp in imports_of(path, root) if imp.top in forbidden]
+    return [
+        f"{imp.where(root)} (reached via {chain(path, parent, root)})"
+        for path in sorted(parent)
+        for imp in imports_of(path, root)
+        if imp.top in forbidden
+    ]
 
 
 def test_repository_root_is_found() -> None:
@@ -175,8 +195,11 @@ def test_proto_imports_nothing_of_ours() -> None:
     bad = []
     for path in source_files(ROOT, "proto"):
         for imp in imports_of(path, ROOT):
-            if imp.top in (ours("proto"), ours("v1")) or imp.top in allowed_third_party \
-                    or imp.top in sys.stdlib_module_names:
+            if (
+                imp.top in (ours("proto"), ours("v1"))
+                or imp.top in allowed_third_party
+                or imp.top in sys.stdlib_module_names
+            ):
                 continue
             if imp.module == "google.protobuf" or imp.module.startswith("google.protobuf."):
                 continue
@@ -187,10 +210,13 @@ def test_proto_imports_nothing_of_ours() -> None:
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
 def test_folders_import_only_the_layers_below(package: str) -> None:
     allowed = {ours(p) for p in (*MAY_IMPORT[package], package)}
-    bad = [imp.where(ROOT) for path in source_files(ROOT, package) for imp in imports_of(path, ROOT)
-           if imp.is_ours and imp.top not in allowed]
-    assert not bad, (f"{package}/ may import only {sorted(MAY_IMPORT[package])} of ours (MAY_IMPORT):\n"
-                     + "\n".join(bad))
+    bad = [
+        imp.where(ROOT)
+        for path in source_files(ROOT, package)
+        for imp in imports_of(path, ROOT)
+        if imp.is_ours and imp.top not in allowed
+    ]
+    assert not bad, f"{package}/ may import only {sorted(MAY_IMPORT[package])} of ours (MAY_IMPORT):\n" + "\n".join(bad)
 
 
 def test_layers_have_no_circle() -> None:
@@ -230,6 +256,7 @@ def test_source_files_stay_small(package: str) -> None:
 
 # -- the checker itself, on a throwaway tree ------------------------------------------------------
 
+
 def write_tree(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel
@@ -238,51 +265,68 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 
 
 def test_closure_follows_function_level_relative_and_submodule_imports(tmp_path: Path) -> None:
-    write_tree(tmp_path, {
-        "router/__init__.py": "",
-        "router/grpc_api.py": "import grpc\n\ndef serve():\n    from pdserve.engine import helpers\n",
-        "engine/__init__.py": "",
-        "engine/helpers.py": "from . import deep\n",
-        "engine/deep.py": "import os\nif os.name:\n    import torch.nn as nn\n",
-        "engine/unrelated.py": "import transformers\n",
-    })
+    write_tree(
+        tmp_path,
+        {
+            "router/__init__.py": "",
+            "router/grpc_api.py": "import grpc\n\ndef serve():\n    from pdserve.engine import helpers\n",
+            "engine/__init__.py": "",
+            "engine/helpers.py": "from . import deep\n",
+            "engine/deep.py": "import os\nif os.name:\n    import torch.nn as nn\n",
+            "engine/unrelated.py": "import transformers\n",
+        },
+    )
     bad = transitive_violations("router", {"torch", "transformers"}, root=tmp_path)
-    assert bad == ["engine/deep.py:3 imports torch.nn (reached via engine/deep.py <- engine/helpers.py "
-                   "<- router/grpc_api.py)"]
+    assert bad == [
+        "engine/deep.py:3 imports torch.nn (reached via engine/deep.py <- engine/helpers.py <- router/grpc_api.py)"
+    ]
 
 
 def test_package_init_files_are_part_of_the_closure(tmp_path: Path) -> None:
-    write_tree(tmp_path, {
-        "router/__init__.py": "",
-        "router/a.py": "import pdserve.engine.clean\n",
-        "engine/__init__.py": "from .clean import VALUE\nimport ray\n",
-        "engine/clean.py": "VALUE = 1\n",
-    })
+    write_tree(
+        tmp_path,
+        {
+            "router/__init__.py": "",
+            "router/a.py": "import pdserve.engine.clean\n",
+            "engine/__init__.py": "from .clean import VALUE\nimport ray\n",
+            "engine/clean.py": "VALUE = 1\n",
+        },
+    )
     bad = transitive_violations("router", {"ray"}, root=tmp_path)
     assert bad == ["engine/__init__.py:2 imports ray (reached via engine/__init__.py <- router/a.py)"]
     assert forbidden_imports("engine", {"ray"}, root=tmp_path) == ["engine/__init__.py:2 imports ray"]
 
 
 def test_rules_match_namespaced_imports_and_flag_bare_ones(tmp_path: Path) -> None:
-    write_tree(tmp_path, {
-        "engine/__init__.py": "",
-        "engine/kv/__init__.py": "",
-        "engine/kv/codec.py": "from ..config import X\nfrom pdserve.router import server\nimport engine.config\n",
-        "engine/config.py": "X = 1\n",
-        "router/__init__.py": "",
-        "router/grpc_api.py": "import router\nimport pdserve.engine.kv.codec\n",
-        "prefill_worker/__init__.py": "",
-        "prefill_worker/w.py": "from pdserve import decode_worker\nimport decode_worker_helpers\n",
-    })
+    write_tree(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/kv/__init__.py": "",
+            "engine/kv/codec.py": "from ..config import X\nfrom pdserve.router import server\nimport engine.config\n",
+            "engine/config.py": "X = 1\n",
+            "router/__init__.py": "",
+            "router/grpc_api.py": "import router\nimport pdserve.engine.kv.codec\n",
+            "prefill_worker/__init__.py": "",
+            "prefill_worker/w.py": "from pdserve import decode_worker\nimport decode_worker_helpers\n",
+        },
+    )
     codec = tmp_path / "engine" / "kv" / "codec.py"
     assert module_of(codec, tmp_path) == "pdserve.engine.kv.codec"
-    assert [i.module for i in imports_of(codec, tmp_path)] == ["pdserve.engine.config", "pdserve.router",
-                                                               "engine.config"]
+    assert [i.module for i in imports_of(codec, tmp_path)] == [
+        "pdserve.engine.config",
+        "pdserve.router",
+        "engine.config",
+    ]
     assert forbidden_imports("engine", {ours("router")}, root=tmp_path) == [
-        "engine/kv/codec.py:2 imports pdserve.router"]
+        "engine/kv/codec.py:2 imports pdserve.router"
+    ]
     assert forbidden_imports("prefill_worker", {ours("decode_worker")}, root=tmp_path) == [
-        "prefill_worker/w.py:1 imports pdserve.decode_worker"]
+        "prefill_worker/w.py:1 imports pdserve.decode_worker"
+    ]
     assert bare_imports(sorted(tmp_path.rglob("*.py")), tmp_path) == [
-        "engine/kv/codec.py:3 imports engine.config", "router/grpc_api.py:1 imports router"]
+        "engine/kv/codec.py:3 imports engine.config",
+        "router/grpc_api.py:1 imports router",
+    ]
     parent = closure([tmp_path / "router" / "grpc_api.py"], tmp_path)
     assert codec in parent and tmp_path / "engine" / "config.py" in parent

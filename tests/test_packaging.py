@@ -19,12 +19,29 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("proto", "engine", "rpc", "worker", "prefill_worker", "decode_worker", "colocated_worker", "router",
-           "cluster", "loadgen", "soak", "cli")
+FOLDERS = (
+    "proto",
+    "engine",
+    "rpc",
+    "worker",
+    "prefill_worker",
+    "decode_worker",
+    "colocated_worker",
+    "router",
+    "cluster",
+    "loadgen",
+    "soak",
+    "cli",
+)
 # Package data that must travel with the code (pyproject.toml [tool.setuptools.package-data]).
-DATA_FILES = ("pdserve/v1/generate.proto", "pdserve/v1/worker.proto",
-              "pdserve/v1/generate_pb2.pyi", "pdserve/v1/worker_pb2.pyi",
-              "pdserve/engine/models/embedded_corpus.txt", "pdserve/cli/demo_prompts.json")
+DATA_FILES = (
+    "pdserve/v1/generate.proto",
+    "pdserve/v1/worker.proto",
+    "pdserve/v1/generate_pb2.pyi",
+    "pdserve/v1/worker_pb2.pyi",
+    "pdserve/engine/models/embedded_corpus.txt",
+    "pdserve/cli/demo_prompts.json",
+)
 
 
 def installed_path(p: Path) -> str:
@@ -36,8 +53,12 @@ def installed_path(p: Path) -> str:
 
 def checkout_packages() -> set[str]:
     """The installed ``__init__.py`` of every package folder of the checkout."""
-    return {installed_path(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")
-            if "__pycache__" not in p.parts}
+    return {
+        installed_path(p)
+        for folder in FOLDERS
+        for p in (ROOT / folder).rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
 
 
 def stray_entries(names: list[str], dist_info: str) -> list[str]:
@@ -82,10 +103,19 @@ def setuptools_usable() -> bool:
 
 
 def test_stray_entries_sees_top_level_modules() -> None:
-    names = ["pdserve/engine/config.py", "pdserve-0.1.0.dist-info/RECORD", "../../../bin/pdserve",
-             "proto/__init__.py", "engine/config.py", "../../../bin/other"]
-    assert stray_entries(names, "pdserve-0.1.0.dist-info") == ["proto/__init__.py", "engine/config.py",
-                                                               "../../../bin/other"]
+    names = [
+        "pdserve/engine/config.py",
+        "pdserve-0.1.0.dist-info/RECORD",
+        "../../../bin/pdserve",
+        "proto/__init__.py",
+        "engine/config.py",
+        "../../../bin/other",
+    ]
+    assert stray_entries(names, "pdserve-0.1.0.dist-info") == [
+        "proto/__init__.py",
+        "engine/config.py",
+        "../../../bin/other",
+    ]
 
 
 def test_installed_distribution_has_only_the_pdserve_namespace(tmp_path: Path) -> None:
@@ -104,8 +134,12 @@ def test_installed_distribution_has_only_the_pdserve_namespace(tmp_path: Path) -
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
     out = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(src)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (wheel,) = out.glob("pdserve-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -121,11 +155,14 @@ def test_proto_plus_and_pdserve_import_side_by_side(tmp_path: Path) -> None:
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("proto-plus is not installed (test extra)")
     # Not from the repo root: there the checkout's proto/ folder would shadow proto-plus.
-    code = ("import proto; proto.Message; import pdserve.v1.generate_pb2; import pdserve.engine.config; "
-            "print(proto.__file__)")
+    code = (
+        "import proto; proto.Message; import pdserve.v1.generate_pb2; import pdserve.engine.config; "
+        "print(proto.__file__)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     # proto-plus's own package, not the checkout's proto/ folder (a venv may live inside the checkout)
     assert Path(out.stdout.strip()).resolve().parent != (ROOT / "proto").resolve(), "proto resolved to the checkout"

@@ -57,12 +57,12 @@ BLOCK = re.compile(r"^(message|enum|oneof|service)\s+(\w+)\s*\{")
 class Member:
     """A message field or an enum value of a .proto file."""
 
-    kind: str          # "field" or "enum value"
-    owner: str         # enclosing message / enum name
+    kind: str  # "field" or "enum value"
+    owner: str  # enclosing message / enum name
     name: str
     number: int
-    line: int          # 1-based
-    commented: bool    # a // comment line sits directly above
+    line: int  # 1-based
+    commented: bool  # a // comment line sits directly above
 
 
 def parse_members(text: str) -> list[Member]:
@@ -84,8 +84,16 @@ def parse_members(text: str) -> list[Member]:
             match = (ENUM_VALUE if kind == "enum" else FIELD).match(line)
             if match and not line.startswith(("option ", "reserved ")):
                 above = lines[i - 1].strip() if i else ""
-                members.append(Member("enum value" if kind == "enum" else "field", owner, match.group(1),
-                                      int(match.group(2)), i + 1, above.startswith("//")))
+                members.append(
+                    Member(
+                        "enum value" if kind == "enum" else "field",
+                        owner,
+                        match.group(1),
+                        int(match.group(2)),
+                        i + 1,
+                        above.startswith("//"),
+                    )
+                )
         stack += [("other", "")] * opened  # e.g. an rpc's option block
         stack = stack[: max(0, len(stack) - line.count("}"))]
     return members
@@ -116,8 +124,9 @@ def test_every_enum_starts_with_unspecified_zero(path: Path) -> None:
     for enum, members in values.items():
         zero = [m.name for m in members if m.number == 0]
         assert len(zero) == 1, f"{path.name}: enum {enum} needs exactly one zero value, has {zero}"
-        assert zero[0].endswith("_UNSPECIFIED"), \
+        assert zero[0].endswith("_UNSPECIFIED"), (
             f"{path.name}: {enum}'s zero value {zero[0]} must end with _UNSPECIFIED"
+        )
         assert members[0].number == 0, f"{path.name}: {enum} must start with its zero value"
 
 
@@ -150,10 +159,13 @@ enum Color {
 """
     got = [(m.kind, m.owner, m.name, m.number, m.commented) for m in parse_members(text)]
     assert got == [
-        ("field", "Outer", "id", 1, True), ("field", "Outer", "ids", 2, False),
-        ("field", "Outer", "a", 3, True), ("field", "Outer", "b", 4, False),
+        ("field", "Outer", "id", 1, True),
+        ("field", "Outer", "ids", 2, False),
+        ("field", "Outer", "a", 3, True),
+        ("field", "Outer", "b", 4, False),
         ("field", "Outer", "t", 5, True),
-        ("enum value", "Color", "COLOR_RED", 0, False), ("enum value", "Color", "COLOR_BLUE", 1, True),
+        ("enum value", "Color", "COLOR_RED", 0, False),
+        ("enum value", "Color", "COLOR_BLUE", 1, True),
     ]
 
 

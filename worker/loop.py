@@ -6,7 +6,8 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine, StepError, StepOutput
 
@@ -23,8 +24,12 @@ class EngineLoop:
     (which names the failed sequences, already freed) when a step failed.
     """
 
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None],
-                 on_step_error: Callable[[StepError], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[StepOutput]], None],
+        on_step_error: Callable[[StepError], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_step_error = on_step_error
@@ -41,7 +46,7 @@ class EngineLoop:
         self._calls.put(None)
         self._thread.join(timeout)
 
-    def submit(self, fn: Callable[[LLMEngine], T]) -> "concurrent.futures.Future[T]":
+    def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run ``fn(engine)`` on the engine thread; RuntimeError in the future if the loop stopped."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._stop.is_set():

@@ -28,13 +28,27 @@ from typing import Union
 
 import msgpack
 import torch
-
 from isal.isal_zlib import crc32  # exactly zlib.crc32's values, ~6x faster here
 
 from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, _is_int
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "PREFIX_BYTES", "Buffer", "Frame", "KvCodecError", "KvDecoder", "KvLimits",
-           "KvPayload", "ModelFingerprint", "crc32", "encode_kv", "frame_parts", "pack_kv", "unpack_kv"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "PREFIX_BYTES",
+    "Buffer",
+    "Frame",
+    "KvCodecError",
+    "KvDecoder",
+    "KvLimits",
+    "KvPayload",
+    "ModelFingerprint",
+    "crc32",
+    "encode_kv",
+    "frame_parts",
+    "pack_kv",
+    "unpack_kv",
+]
 
 FORMAT_VERSION = 2  # 2: the KV may start after a prefix the receiver holds (kv_start, prefix_hashes)
 MAGIC = b"PDKV"
@@ -45,9 +59,18 @@ Buffer = Union[bytes, bytearray, memoryview]
 Frame = Union[Buffer, Sequence[Buffer]]  # one buffer, or the frame's bytes as consecutive parts
 _SLICE = 1 << 20  # tensor bytes are checksummed then copied in slices of this size, still in cache for the copy
 _HEADER_TYPES: dict[str, type] = {
-    "request_id": str, "fingerprint": dict, "dtype": str, "shape": list, "token_ids": list,
-    "first_token": int, "first_token_unix_ns": int, "sampling": dict, "nbytes": int, "checksum": int,
-    "kv_start": int, "prefix_hashes": list,
+    "request_id": str,
+    "fingerprint": dict,
+    "dtype": str,
+    "shape": list,
+    "token_ids": list,
+    "first_token": int,
+    "first_token_unix_ns": int,
+    "sampling": dict,
+    "nbytes": int,
+    "checksum": int,
+    "kv_start": int,
+    "prefix_hashes": list,
 }
 PREFIX_HASH_BYTES = 16  # engine/scheduling/prefix_hash.py
 
@@ -122,12 +145,19 @@ def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
     flat = payload.kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     data = memoryview(flat.numpy()).toreadonly()
     header = {
-        "version": FORMAT_VERSION, "request_id": payload.request_id, "fingerprint": fp.to_dict(),
-        "dtype": fp.dtype, "shape": list(payload.kv.shape), "token_ids": token_ids,
-        "first_token": int(payload.first_token), "first_token_unix_ns": int(payload.first_token_unix_ns),
+        "version": FORMAT_VERSION,
+        "request_id": payload.request_id,
+        "fingerprint": fp.to_dict(),
+        "dtype": fp.dtype,
+        "shape": list(payload.kv.shape),
+        "token_ids": token_ids,
+        "first_token": int(payload.first_token),
+        "first_token_unix_ns": int(payload.first_token_unix_ns),
         "sampling": payload.sampling,
-        "nbytes": data.nbytes, "checksum": crc32(data),
-        "kv_start": int(payload.kv_start), "prefix_hashes": [bytes(h) for h in payload.prefix_hashes],
+        "nbytes": data.nbytes,
+        "checksum": crc32(data),
+        "kv_start": int(payload.kv_start),
+        "prefix_hashes": [bytes(h) for h in payload.prefix_hashes],
     }
     try:
         hdr = msgpack.packb(header, use_bin_type=True)
@@ -157,8 +187,14 @@ def _parse_header(raw: Buffer, expected: ModelFingerprint, limits: KvLimits) -> 
     hlen = len(raw)
     try:  # every msgpack element takes >= 1 byte (map entries >= 2): bound all lengths by hlen
         header = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, max_str_len=hlen,
-            max_bin_len=hlen, max_array_len=hlen, max_map_len=hlen // 2, max_ext_len=0,
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=hlen,
+            max_bin_len=hlen,
+            max_array_len=hlen,
+            max_map_len=hlen // 2,
+            max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise KvCodecError(f"malformed header: {type(e).__name__}: {e}") from e
@@ -210,8 +246,12 @@ class KvDecoder:
     ``alloc(nbytes)`` returns that buffer (a uint8 CPU tensor of ``nbytes``; default ``torch.empty``).
     """
 
-    def __init__(self, expected: ModelFingerprint, limits: KvLimits = KvLimits(),
-                 alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        expected: ModelFingerprint,
+        limits: KvLimits = KvLimits(),
+        alloc: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         self._expected, self._limits = expected, limits
         self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         self._head = bytearray()  # prefix, then prefix + header, until the header is parsed
@@ -268,15 +308,25 @@ class KvDecoder:
         if self._hlen is None:
             raise KvCodecError(f"truncated frame: expected {PREFIX_BYTES} prefix bytes, got {len(self._head)}")
         if h is None:
-            raise KvCodecError(f"truncated frame: expected {self._hlen} header bytes, got "
-                               f"{len(self._head) - PREFIX_BYTES}")
+            raise KvCodecError(
+                f"truncated frame: expected {self._hlen} header bytes, got {len(self._head) - PREFIX_BYTES}"
+            )
         if self._got < h["nbytes"]:
             raise KvCodecError(f"truncated frame: expected {h['nbytes']} bytes of tensor data, got {self._got}")
         if self._crc != h["checksum"]:
             raise KvCodecError(f"checksum mismatch: header {h['checksum']:#010x}, data {self._crc:#010x}")
         kv = self._buf.view(h["torch_dtype"]).reshape(h["shape"])
-        return KvPayload(h["request_id"], h["fingerprint"], h["token_ids"], h["first_token"], h["sampling"], kv,
-                         h["first_token_unix_ns"], h["kv_start"], h["prefix_hashes"])
+        return KvPayload(
+            h["request_id"],
+            h["fingerprint"],
+            h["token_ids"],
+            h["first_token"],
+            h["sampling"],
+            kv,
+            h["first_token_unix_ns"],
+            h["kv_start"],
+            h["prefix_hashes"],
+        )
 
 
 def unpack_kv(data: Frame, expected: ModelFingerprint, limits: KvLimits = KvLimits()) -> KvPayload:

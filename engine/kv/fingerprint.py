@@ -42,7 +42,7 @@ class ModelFingerprint:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelFingerprint":
+    def from_dict(cls, d: dict) -> ModelFingerprint:
         """Build from a dict as produced by :meth:`to_dict`.
 
         Raises KvCodecError if ``d`` is not a dict, a key is missing or unknown,
@@ -72,7 +72,7 @@ class ModelFingerprint:
 
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
-    def mismatches(self, other: "ModelFingerprint") -> list[str]:
+    def mismatches(self, other: ModelFingerprint) -> list[str]:
         """Differences as ``"<field> <self value> != <other value>"``; [] when equal."""
         pairs = [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)]
         return [f"{name} {a!r} != {b!r}" for name, a, b in pairs if a != b]

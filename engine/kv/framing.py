@@ -6,10 +6,19 @@ Neither side joins the frame: :func:`iter_chunks` yields views of the frame's pa
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-from pdserve.engine.kv.codec import (MAGIC, PREFIX_BYTES, _PREFIX, Buffer, Frame, KvCodecError, KvLimits,
-                                     _as_bytes_view, frame_parts)
+from pdserve.engine.kv.codec import (
+    _PREFIX,
+    MAGIC,
+    PREFIX_BYTES,
+    Buffer,
+    Frame,
+    KvCodecError,
+    KvLimits,
+    _as_bytes_view,
+    frame_parts,
+)
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # measured fastest on loopback gRPC; 4 MiB messages were slower
 

@@ -92,6 +92,4 @@ class InProcessKvTransfer:
         try:
             await receiver.receive_kv(assembler.parts())
         except Exception as e:
-            raise KvTransferError(
-                f"{target} rejected kv for request {request_id!r}: {type(e).__name__}: {e}"
-            ) from e
+            raise KvTransferError(f"{target} rejected kv for request {request_id!r}: {type(e).__name__}: {e}") from e

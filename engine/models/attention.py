@@ -54,16 +54,24 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] (packed,
         causal per sequence; also already in k/v_cache [num_blocks, block_size, num_kv_heads,
         head_dim], which holds the positions before each sequence's rows too) -> [num_tokens,
         num_heads * head_dim]."""
         ...
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q [num_seqs, num_heads, head_dim] (last dim contiguous), k/v_cache [num_blocks,
         block_size, num_kv_heads, head_dim] already holding this step's K/V -> [num_seqs,
         num_heads * head_dim]."""
@@ -90,8 +98,15 @@ class TorchAttention:
         mask = j <= i
         return mask & (i - j < self.window) if self.window is not None else mask
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         bounds, bs = meta.cu_seqlens, k_cache.shape[1]
         lens = meta.context_lens_host or meta.context_lens.tolist()
@@ -104,14 +119,21 @@ class TorchAttention:
                 keys, vals = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
             mask = self._mask(b - a, n, q.device)
             # 4-D [1, H, n, D] views take SDPA's fused CPU kernel (3-D inputs take a ~10x slower path)
-            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                               vals.transpose(0, 1)[None], attn_mask=mask,
-                                               is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                vals.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
             out[a:b] = o[0].transpose(0, 1)
         return out.flatten(1)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         tables, lens = meta.block_tables.long(), meta.context_lens.long()
         keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, D]
         vals = v_cache[tables].flatten(1, 2).transpose(1, 2)
@@ -119,8 +141,9 @@ class TorchAttention:
         mask = pos < lens[:, None]  # [B, L]
         if self.window is not None:
             mask &= pos >= lens[:, None] - self.window
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, vals, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+        )
         return o[:, :, 0, :].flatten(1)
 
 
@@ -136,23 +159,47 @@ class CpuPagedAttention:
     def prefill(self, q, k, v, k_cache, v_cache, meta):
         return self.decode(q, k_cache, v_cache, meta)  # the kernel takes any number of rows per sequence
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         rows, num_heads, head_dim = q.shape
         tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
         if {tables.dtype, lens.dtype, starts.dtype} != {torch.int32} or q.stride(-1) != 1:
-            raise TypeError("cpu-paged attention needs int32 block_tables/context_lens/query_start_loc and a "
-                            "contiguous head_dim")
+            raise TypeError(
+                "cpu-paged attention needs int32 block_tables/context_lens/query_start_loc and a contiguous head_dim"
+            )
         out = torch.empty((rows, num_heads * head_dim), dtype=q.dtype)
-        self._fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                 lens.data_ptr(), starts.data_ptr(), lens.shape[0], num_heads, k_cache.shape[2], head_dim,
-                 k_cache.shape[1], tables.shape[1], q.stride(0), self.scale, self.window or 0,
-                 torch.get_num_threads())
+        self._fn(
+            out.data_ptr(),
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            starts.data_ptr(),
+            lens.shape[0],
+            num_heads,
+            k_cache.shape[2],
+            head_dim,
+            k_cache.shape[1],
+            tables.shape[1],
+            q.stride(0),
+            self.scale,
+            self.window or 0,
+            torch.get_num_threads(),
+        )
         return out
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                   head_dim: int, sliding_window: int | None) -> AttentionBackend:
+def select_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None,
+) -> AttentionBackend:
     """The backend for ``name``: ``"auto"`` (the C++ paged kernel on CPU when it builds and fits
     the model's shape, else ``"torch"``), ``"cpu-paged"`` or ``"torch"``.
 
@@ -161,7 +208,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, num_head
     """
     if name not in ("auto", "cpu-paged", "torch"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu-paged or torch")
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     if name == "torch":
         return TorchAttention(scale, sliding_window)
     try:
@@ -170,8 +217,10 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, num_head
         lib = load_cpu_kernels()
         groups = num_heads // num_kv_heads
         if groups > lib.pdserve_max_groups() or head_dim > lib.pdserve_max_head_dim():
-            raise KernelUnavailable(f"{groups} query heads per KV head / head_dim {head_dim} exceed the kernel's "
-                                    f"{lib.pdserve_max_groups()} / {lib.pdserve_max_head_dim()}")
+            raise KernelUnavailable(
+                f"{groups} query heads per KV head / head_dim {head_dim} exceed the kernel's "
+                f"{lib.pdserve_max_groups()} / {lib.pdserve_max_head_dim()}"
+            )
         backend = CpuPagedAttention(scale, sliding_window, dtype)
     except KernelUnavailable as exc:
         if name == "cpu-paged":

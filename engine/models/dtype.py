@@ -19,8 +19,12 @@ def cpu_flags() -> frozenset[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
-    return frozenset(f for line in text.splitlines() if line.startswith(("flags", "Features"))
-                     for f in line.partition(":")[2].split())
+    return frozenset(
+        f
+        for line in text.splitlines()
+        if line.startswith(("flags", "Features"))
+        for f in line.partition(":")[2].split()
+    )
 
 
 def native_bf16(device: torch.device) -> str | None:

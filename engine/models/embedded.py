@@ -43,11 +43,18 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 # A plain role-tagged chat format (the tags are ordinary text to this tokenizer), so that the chat
 # endpoint and its tests have a template to render; the weights know nothing of it.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
-                 "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                  "tokenizer.json", "tokenizer_config.json")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 SPECIAL_ROW_SCALE = 0.1
 LOGIT_STD = 3.0
 
@@ -152,6 +159,7 @@ def build_model_folder(preset: EmbeddedPreset, out: str | Path) -> None:
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     _write_json(out / "generation_config.json", gen)
     from safetensors.torch import save_file
+
     save_file(build_weights(preset, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -161,17 +169,30 @@ def _write_json(path: Path, obj: dict) -> None:  # sorted keys: byte-stable outp
 
 def llama_config(preset: EmbeddedPreset, vocab_size: int) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab_size, "hidden_size": preset.hidden_size,
-        "intermediate_size": preset.intermediate_size, "num_hidden_layers": preset.num_layers,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_layers,
         "num_attention_heads": preset.num_attention_heads,
-        "num_key_value_heads": preset.num_kv_heads, "head_dim": preset.head_dim,
+        "num_key_value_heads": preset.num_kv_heads,
+        "head_dim": preset.head_dim,
         "max_position_embeddings": preset.max_position_embeddings,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "initializer_range": 0.02, "tie_word_embeddings": False, "use_cache": True,
-        "torch_dtype": "float32", "dtype": "float32",
-        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": None,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": None,
     }
 
 
@@ -194,8 +215,11 @@ def build_tokenizer(preset: EmbeddedPreset, out: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     # Training is deterministic (ties broken by pair ids), whatever RAYON_NUM_THREADS is.
     trainer = trainers.BpeTrainer(
-        vocab_size=preset.vocab_size, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=preset.vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(SPECIAL_TOKENS),
     )
     lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines(keepends=True)
     tok.train_from_iterator(lines, trainer=trainer)
@@ -205,9 +229,13 @@ def build_tokenizer(preset: EmbeddedPreset, out: Path) -> int:
         single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, BOS_ID)]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=SPECIAL_TOKENS[EOS_ID],
-        pad_token=SPECIAL_TOKENS[PAD_ID], model_max_length=preset.max_position_embeddings,
-        clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"],
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=SPECIAL_TOKENS[EOS_ID],
+        pad_token=SPECIAL_TOKENS[PAD_ID],
+        model_max_length=preset.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
     )
     fast.save_pretrained(str(out))
     for extra in ("special_tokens_map.json", "chat_template.jinja"):

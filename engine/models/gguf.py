@@ -75,8 +75,9 @@ def converted_folder(path: Path, cache_dir: str | Path | None = None) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise ImportError(f"reading {path.name} needs the gguf and accelerate packages: {SMOLLM2_INSTALL} "
-                          f"({exc})") from exc
+        raise ImportError(
+            f"reading {path.name} needs the gguf and accelerate packages: {SMOLLM2_INSTALL} ({exc})"
+        ) from exc
     log.info("converting %s to a float32 Hugging Face folder in %s (once)", path, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))

@@ -35,8 +35,11 @@ _ELEMENTWISE_ARGS = {
     "pdserve_silu_mul_bf16": [_P, _P, _I, _I, _N],
     "pdserve_rope_bf16": [_P, _P, _P, _I, _I, _I, _I, _N],
 }
-ATTENTION_SYMBOLS = {"float32": "pdserve_paged_attention_f32", "bfloat16": "pdserve_paged_attention_bf16",
-                     "float16": "pdserve_paged_attention_f16"}
+ATTENTION_SYMBOLS = {
+    "float32": "pdserve_paged_attention_f32",
+    "bfloat16": "pdserve_paged_attention_bf16",
+    "float16": "pdserve_paged_attention_f16",
+}
 
 
 class KernelUnavailable(RuntimeError):

@@ -66,8 +66,9 @@ class LlamaModel:
     attention backend and elementwise ops chosen at start (``attention.select_backend``, ``ops.select_ops``).
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
-                 ops: ElementwiseOps) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend, ops: ElementwiseOps
+    ) -> None:
         self.cfg = cfg
         self.attention = attention
         self.ops = ops
@@ -83,27 +84,35 @@ class LlamaModel:
             a, m = p + "self_attn.", p + "mlp."
             qkv_sizes = (q_rows, kv_rows, kv_rows)
             mlp_sizes = (cfg.intermediate_size, cfg.intermediate_size)
-            self.layers.append(DecoderLayer(
-                qkv=make_linear(fuse_rows(*(w[a + f"{x}_proj.weight"] for x in "qkv"), sizes=qkv_sizes),
-                                fuse_rows(*(w.get(a + f"{x}_proj.bias") for x in "qkv"), sizes=qkv_sizes)),
-                o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
-                post_norm=w[p + "post_attention_layernorm.weight"],
-                gate_up=make_linear(fuse_rows(w[m + "gate_proj.weight"], w[m + "up_proj.weight"], sizes=mlp_sizes),
-                                    fuse_rows(w.get(m + "gate_proj.bias"), w.get(m + "up_proj.bias"),
-                                              sizes=mlp_sizes)),
-                down=make_linear(w[m + "down_proj.weight"], w.get(m + "down_proj.bias")),
-                next_norm=w[f"model.layers.{i + 1}.input_layernorm.weight"] if i + 1 < cfg.num_layers else self.norm,
-            ))
+            self.layers.append(
+                DecoderLayer(
+                    qkv=make_linear(
+                        fuse_rows(*(w[a + f"{x}_proj.weight"] for x in "qkv"), sizes=qkv_sizes),
+                        fuse_rows(*(w.get(a + f"{x}_proj.bias") for x in "qkv"), sizes=qkv_sizes),
+                    ),
+                    o=make_linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias")),
+                    post_norm=w[p + "post_attention_layernorm.weight"],
+                    gate_up=make_linear(
+                        fuse_rows(w[m + "gate_proj.weight"], w[m + "up_proj.weight"], sizes=mlp_sizes),
+                        fuse_rows(w.get(m + "gate_proj.bias"), w.get(m + "up_proj.bias"), sizes=mlp_sizes),
+                    ),
+                    down=make_linear(w[m + "down_proj.weight"], w.get(m + "down_proj.bias")),
+                    next_norm=w[f"model.layers.{i + 1}.input_layernorm.weight"]
+                    if i + 1 < cfg.num_layers
+                    else self.norm,
+                )
+            )
         self.first_norm = w["model.layers.0.input_layernorm.weight"]
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                       # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)                # [T, D] each
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # [T, D] each
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
         """Run the decoder.
 
         input_ids, positions: [num_tokens]. kv_cache: [num_layers, 2, num_blocks, block_size,
@@ -115,8 +124,7 @@ class LlamaModel:
         cos, sin = self._rope(positions, h.dtype)
         x = ops.add_rms_norm(h, None, self.first_norm, eps)
         for layer, cache in zip(self.layers, kv_cache):
-            x = ops.add_rms_norm(h, layer.o(self._attention(layer.qkv(x), cos, sin, meta, cache)), layer.post_norm,
-                                 eps)
+            x = ops.add_rms_norm(h, layer.o(self._attention(layer.qkv(x), cos, sin, meta, cache)), layer.post_norm, eps)
             x = ops.add_rms_norm(h, layer.down(ops.silu_mul(layer.gate_up(x))), layer.next_norm, eps)
         return x
 
@@ -124,18 +132,19 @@ class LlamaModel:
         """[n, hidden_size] -> [n, vocab_size] logits."""
         return self.lm_head(hidden)
 
-    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                   cache: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
+    ) -> torch.Tensor:
         """qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] -> [T, num_heads * head_dim].
 
         cache: this layer's [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         cfg = self.cfg
         T, H, Hkv, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
-        self.ops.rope_(qk, cos, sin)                    # q and k at once, in place
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+        self.ops.rope_(qk, cos, sin)  # q and k at once, in place
         q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        flat = cache.view(2, -1, Hkv, D)                # [2, num_slots, Hkv, D]
+        v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+        flat = cache.view(2, -1, Hkv, D)  # [2, num_slots, Hkv, D]
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
         if meta.is_prefill:

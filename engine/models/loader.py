@@ -12,8 +12,15 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.embedded import resolve_embedded
 from pdserve.engine.models.gguf import resolve_gguf
 
-_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+_HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+]
 
 
 def resolve_model_dir(model: str | None) -> Path:

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 class ElementwiseOps(Protocol):
     name: str
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """``residual += delta`` in place (skipped when None), then RMSNorm (Zhang & Sennrich 2019)
         of it: [num_tokens, hidden] -> [num_tokens, hidden]."""
         ...
@@ -72,13 +73,24 @@ class CpuBf16Ops:
 
     def __init__(self) -> None:
         lib = load_cpu_kernels()
-        self._norm, self._silu, self._rope = (lib.pdserve_add_rms_norm_bf16, lib.pdserve_silu_mul_bf16,
-                                              lib.pdserve_rope_bf16)
+        self._norm, self._silu, self._rope = (
+            lib.pdserve_add_rms_norm_bf16,
+            lib.pdserve_silu_mul_bf16,
+            lib.pdserve_rope_bf16,
+        )
 
     def add_rms_norm(self, residual, delta, weight, eps):
         out = torch.empty_like(residual)
-        self._norm(out.data_ptr(), residual.data_ptr(), None if delta is None else delta.data_ptr(),
-                   weight.data_ptr(), residual.shape[0], residual.shape[1], eps, torch.get_num_threads())
+        self._norm(
+            out.data_ptr(),
+            residual.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            residual.shape[0],
+            residual.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
     def silu_mul(self, gate_up):
@@ -89,8 +101,9 @@ class CpuBf16Ops:
 
     def rope_(self, x, cos, sin):
         rows, heads, head_dim = x.shape
-        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, x.stride(0),
-                   torch.get_num_threads())
+        self._rope(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, x.stride(0), torch.get_num_threads()
+        )
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> ElementwiseOps:

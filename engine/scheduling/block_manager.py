@@ -28,20 +28,25 @@ class BlockManager:
     recently freed first (a sequence's last block before its first, so prefixes outlive tails).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 hash_fn: Callable[[BlockHash | None, tuple[int, ...]], BlockHash] = hash_block) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        hash_fn: Callable[[BlockHash | None, tuple[int, ...]], BlockHash] = hash_block,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn
-        self._free: deque[int] = deque(range(num_blocks))   # no content worth keeping
+        self._free: deque[int] = deque(range(num_blocks))  # no content worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._refs = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._by_hash: dict[BlockHash, int] = {}
-        self.num_prefix_queries = 0      # prompt tokens looked up (counted once per admission)
-        self.num_prefix_hits = 0         # of those, tokens found cached
+        self.num_prefix_queries = 0  # prompt tokens looked up (counted once per admission)
+        self.num_prefix_hits = 0  # of those, tokens found cached
 
     # -- occupancy ------------------------------------------------------------------------------
     @property
@@ -123,7 +128,7 @@ class BlockManager:
         bs, tokens = self.block_size, seq.token_ids
         parent: BlockHash | None = None
         for i in range((len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             h = self._hash_fn(parent, block_tokens)
             block = self._by_hash.get(h)
             if block is None or self._block_tokens[block] != block_tokens:  # miss, or a hash collision
@@ -148,7 +153,7 @@ class BlockManager:
         bs, tokens = self.block_size, seq.token_ids
         for i in range(len(seq.block_hashes), num_computed // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             h = self._hash_fn(parent, block_tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[i]

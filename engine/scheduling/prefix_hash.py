@@ -28,6 +28,6 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[BlockHash]:
     out: list[BlockHash] = []
     parent = None
     for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)
     return out

@@ -50,8 +50,14 @@ class Scheduler:
     starts from the longest cached prefix of its tokens.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True, target_step_s: float | None = None) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
+        target_step_s: float | None = None,
+    ) -> None:
         if target_step_s is not None and not target_step_s > 0:
             raise ValueError(f"target_step_s must be > 0, got {target_step_s}")
         self.blocks = block_manager
@@ -64,8 +70,8 @@ class Scheduler:
         self.running: deque[Sequence] = deque()  # in admission order
         self._next_turn = 0  # where the next decode rows start when not all decoding fit one step
         self._blocked_steps = 0  # consecutive steps KV blocks kept the head of the waiting queue out
-        self.num_prompt_tokens_admitted = 0   # tokens of admitted sequences (recomputes count again)
-        self.num_cached_tokens_admitted = 0   # of those, taken from the prefix cache
+        self.num_prompt_tokens_admitted = 0  # tokens of admitted sequences (recomputes count again)
+        self.num_cached_tokens_admitted = 0  # of those, taken from the prefix cache
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:

@@ -10,15 +10,15 @@ from pdserve.engine.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"      # needs a prefill (new, or preempted and to be recomputed)
-    RUNNING = "running"      # KV present; in the decode batch
+    WAITING = "waiting"  # needs a prefill (new, or preempted and to be recomputed)
+    RUNNING = "running"  # KV present; in the decode batch
     FINISHED = "finished"
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"            # EOS token
-    LENGTH = "length"        # max_tokens
-    ABORT = "abort"          # cancelled
+    STOP = "stop"  # EOS token
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"  # cancelled
     ERROR = "error"
 
 
@@ -48,12 +48,17 @@ class Sequence:
     prefill_start_ns: int = 0
     prefill_end_ns: int = 0
     num_preemptions: int = 0  # times its KV was freed to be recomputed
-    preempted_ns: int = 0     # nanoseconds spent waiting to be recomputed, all preemptions together
+    preempted_ns: int = 0  # nanoseconds spent waiting to be recomputed, all preemptions together
     _preempted_at_ns: int = 0
 
     @classmethod
-    def new(cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-            eos_token_ids: frozenset[int] = frozenset()) -> "Sequence":
+    def new(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> Sequence:
         """A waiting sequence for a prompt; ValueError for an empty prompt."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
@@ -69,7 +74,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -10,12 +10,13 @@ complete character, and no byte-fallback run is split, so the streamed text alwa
 equals ``Tokenizer.decode`` of all ids.  Decoders with cross-token effects that are
 not understood fall back to decoding every id on each call.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 from pdserve.engine.text.tokenizer import Tokenizer, TokenizerError, _checked
 
@@ -25,7 +26,7 @@ _DROP, _BYTE, _PLAIN = 0, 1, 2
 _REPL = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _MAX_WINDOW, _KEEP, _TRIES = 24, 6, 4
-_INFO: "weakref.WeakKeyDictionary[Tokenizer, _StreamInfo]" = weakref.WeakKeyDictionary()
+_INFO: weakref.WeakKeyDictionary[Tokenizer, _StreamInfo] = weakref.WeakKeyDictionary()
 
 
 def _flatten(spec: dict | None) -> list[dict]:
@@ -87,7 +88,7 @@ class _StreamInfo:
 
     def decode(self, ids: list[int], anchored: bool = False) -> str:
         if anchored:
-            return self.backend.decode([self.anchor, *ids], skip_special_tokens=True)[len(self.anchor_text):]
+            return self.backend.decode([self.anchor, *ids], skip_special_tokens=True)[len(self.anchor_text) :]
         return self.backend.decode(ids, skip_special_tokens=True)
 
 
@@ -112,9 +113,9 @@ class IncrementalDetokenizer:
         self._info = _info(tokenizer)
         self._stops = tuple(dict.fromkeys(s for s in stop if s))
         self._win: list[int] = []  # kept ids (special/unknown ones dropped) from the window start
-        self._anchored = False     # True once the window no longer starts at the first token
-        self._done = 0             # characters of the window text already released
-        self._held = ""            # released text withheld because it may begin a stop string
+        self._anchored = False  # True once the window no longer starts at the first token
+        self._done = 0  # characters of the window text already released
+        self._held = ""  # released text withheld because it may begin a stop string
         self._finished = False
         self.stopped = False
         self.text = ""
@@ -145,7 +146,7 @@ class IncrementalDetokenizer:
             cut = min(cut, len(self._win) - 1)
         safe = full if cut == len(self._win) else os.path.commonprefix([full, self._decode(self._win[:cut])])
         end = len(safe.rstrip(_REPL))
-        delta = full[self._done:end] if end > self._done else ""
+        delta = full[self._done : end] if end > self._done else ""
         self._done += len(delta)
         if info.anchor is not None and len(self._win) > _MAX_WINDOW:
             self._slide(full)
@@ -162,7 +163,7 @@ class IncrementalDetokenizer:
             self._finished = True
             return ""
         self._finished = True
-        delta = self._decode(self._win)[self._done:] if self._win else ""
+        delta = self._decode(self._win)[self._done :] if self._win else ""
         return self._release(delta, final=True)
 
     def _decode(self, ids: list[int]) -> str:
@@ -191,10 +192,16 @@ class IncrementalDetokenizer:
         # the stop string that is completed first wins (then the one starting first)
         hits = [(i + len(s), i) for s in self._stops for i in (buf.find(s),) if i >= 0]
         if hits:
-            out, self._held, self.stopped = buf[:min(hits)[1]], "", True
+            out, self._held, self.stopped = buf[: min(hits)[1]], "", True
         else:
-            keep = 0 if final else max((n for s in self._stops for n in range(min(len(s) - 1, len(buf)), 0, -1)
-                                        if buf.endswith(s[:n])), default=0)
-            out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+            keep = (
+                0
+                if final
+                else max(
+                    (n for s in self._stops for n in range(min(len(s) - 1, len(buf)), 0, -1) if buf.endswith(s[:n])),
+                    default=0,
+                )
+            )
+            out, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
         self.text += out
         return out

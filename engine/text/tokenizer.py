@@ -6,14 +6,16 @@ loading rules mirror what ``transformers.AutoTokenizer`` does for a fast
 (``tokenizer.json``) tokenizer, so ``encode``/``decode`` give the same ids and
 text as the Hugging Face tokenizer of the same folder.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
 import operator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
@@ -76,8 +78,16 @@ class Tokenizer:
     (the underlying ``tokenizers.Tokenizer``; treat it as read-only).
     """
 
-    def __init__(self, backend: _Backend, *, content_hash: str, eos_token_ids: frozenset[int],
-                 bos_token_id: int | None, model_max_length: int, decoder_config: dict | None) -> None:
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        content_hash: str,
+        eos_token_ids: frozenset[int],
+        bos_token_id: int | None,
+        model_max_length: int,
+        decoder_config: dict | None,
+    ) -> None:
         self.backend = backend
         self.content_hash = content_hash
         self.eos_token_ids = eos_token_ids
@@ -88,7 +98,7 @@ class Tokenizer:
         self.special_token_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
         """Load the tokenizer of a Hugging Face model folder.
 
         Returns a ready :class:`Tokenizer`.  Raises :class:`TokenizerError` when the
@@ -124,8 +134,14 @@ class Tokenizer:
                 specials += [t for t in extra if _content(t) is not None]
         decoder_map = cfg.get("added_tokens_decoder")
         if isinstance(decoder_map, dict):
-            specials += [t for t in decoder_map.values() if _content(t) is not None
-                         and isinstance(t, dict) and t.get("special") and backend.token_to_id(t["content"]) is None]
+            specials += [
+                t
+                for t in decoder_map.values()
+                if _content(t) is not None
+                and isinstance(t, dict)
+                and t.get("special")
+                and backend.token_to_id(t["content"]) is None
+            ]
         if specials:
             backend.add_special_tokens([_added(t) for t in specials])
 
@@ -150,16 +166,29 @@ class Tokenizer:
                     bos_id = min(_ids(source["bos_token_id"]))
                     break
 
-        max_len = next((src[k] for src in (model_cfg, text_cfg) for k in _MAX_LEN_KEYS
-                        if isinstance(src.get(k), int) and src[k] > 0), None)
+        max_len = next(
+            (
+                src[k]
+                for src in (model_cfg, text_cfg)
+                for k in _MAX_LEN_KEYS
+                if isinstance(src.get(k), int) and src[k] > 0
+            ),
+            None,
+        )
         if max_len is None:
             tml = cfg.get("model_max_length")
             if isinstance(tml, int) and 0 < tml < 10**9:
                 max_len = tml
             else:
                 raise TokenizerError(f"{folder}: config.json has no max_position_embeddings (or equivalent)")
-        return cls(backend, content_hash=hashlib.sha256(raw).hexdigest(), eos_token_ids=frozenset(eos_ids),
-                   bos_token_id=bos_id, model_max_length=int(max_len), decoder_config=spec.get("decoder"))
+        return cls(
+            backend,
+            content_hash=hashlib.sha256(raw).hexdigest(),
+            eos_token_ids=frozenset(eos_ids),
+            bos_token_id=bos_id,
+            model_max_length=int(max_len),
+            decoder_config=spec.get("decoder"),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Return the token ids of ``text``, identical to ``AutoTokenizer(folder)(text)["input_ids"]``.
@@ -178,8 +207,13 @@ class Tokenizer:
         for more input bytes than its entry has (byte-level and SentencePiece entries spell their
         bytes with at least as many), so ``len(text.encode()) / max_token_bytes`` tokens is a
         lower bound on ``len(encode(text))`` that costs no tokenization."""
-        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.backend.get_vocab(with_added_tokens=True)),
-                   default=1) or 1
+        return (
+            max(
+                (len(t.encode("utf-8", "surrogatepass")) for t in self.backend.get_vocab(with_added_tokens=True)),
+                default=1,
+            )
+            or 1
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         """Return the text of ``ids`` with special tokens skipped and no space clean-up.

@@ -10,17 +10,32 @@ import time
 import pytest
 
 from pdserve.cli import bench as cli
-from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
-from pdserve.loadgen.targets import ServerInfo
-from pdserve.loadgen.metrics import SLO, RequestRecord, summarize
-from pdserve.loadgen.prompts import PROMPT_SETS, make_prompt_pool
-from pdserve.loadgen.workload import DATASETS_ENV
 from pdserve.cli.main import main
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
+from pdserve.loadgen.metrics import SLO, RequestRecord, summarize
+from pdserve.loadgen.prompts import PROMPT_SETS, make_prompt_pool
+from pdserve.loadgen.targets import ServerInfo
+from pdserve.loadgen.workload import DATASETS_ENV
 
 # the command a new user ran against an OpenAI-compatible server, with no datasets folder anywhere
-USER_COMMAND = ("bench", "--backend", "openai", "--url", "http://127.0.0.1:8000", "--input-len", "16",
-                "--output-len", "4", "--rate", "2", "--num-requests", "2", "--prompts", "random")
+USER_COMMAND = (
+    "bench",
+    "--backend",
+    "openai",
+    "--url",
+    "http://127.0.0.1:8000",
+    "--input-len",
+    "16",
+    "--output-len",
+    "4",
+    "--rate",
+    "2",
+    "--num-requests",
+    "2",
+    "--prompts",
+    "random",
+)
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
@@ -74,6 +89,7 @@ def backend(monkeypatch):
 
 # --- 1. --prompts random needs no dataset ------------------------------------------------------------
 
+
 def test_random_prompts_without_datasets_fall_back_to_synthetic_arrivals(no_datasets, embedded_dir):
     args = _bench_args(*USER_COMMAND)
     note = fall_back_without_datasets(args)
@@ -103,14 +119,26 @@ def test_trace_arrivals_named_without_datasets_say_what_needs_the_trace(no_datas
 
 
 def test_missing_trace_for_lengths_says_so(embedded_dir, tmp_path):
-    args = _bench_args("bench", "--arrival", "poisson", "--rate", "2", "--output-len", "4", "--prompts", "random",
-                       "--datasets-dir", str(tmp_path))
+    args = _bench_args(
+        "bench",
+        "--arrival",
+        "poisson",
+        "--rate",
+        "2",
+        "--output-len",
+        "4",
+        "--prompts",
+        "random",
+        "--datasets-dir",
+        str(tmp_path),
+    )
     with pytest.raises(FileNotFoundError, match=r"request lengths \(--input-len with --output-len") as info:
         build_specs(args, Tokenizer.from_folder(embedded_dir), 4096, args.rate)
     assert "arrival times" not in str(info.value)
 
 
 # --- 2. an unknown prompt set is refused before anything is read --------------------------------------
+
 
 def test_unknown_prompt_set_is_a_parse_error_listing_random(no_datasets, backend, capsys):
     with pytest.raises(SystemExit) as info:
@@ -141,6 +169,7 @@ def test_make_prompt_pool_checks_names_before_reading(embedded_dir, tmp_path):
 
 # --- 3. a run in which every request failed ----------------------------------------------------------
 
+
 def _failed(index: int, error: str) -> RequestRecord:
     return RequestRecord(index, f"bench-{index}", 0.0, 0.0, 16, 4, finish_reason="error", error=error)
 
@@ -161,8 +190,7 @@ def test_first_errors_are_distinct_and_few():
     assert cli.first_errors(records[8:]) == ["finished with reason 'abort'"]
 
 
-def test_bench_where_every_request_fails_exits_1_with_the_error(no_datasets, embedded_dir, backend, tmp_path,
-                                                                capsys):
+def test_bench_where_every_request_fails_exits_1_with_the_error(no_datasets, embedded_dir, backend, tmp_path, capsys):
     backend.error = "HTTP 503: overloaded"
     assert main([*USER_COMMAND, "--tokenizer", str(embedded_dir), "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
@@ -172,6 +200,7 @@ def test_bench_where_every_request_fails_exits_1_with_the_error(no_datasets, emb
 
 
 # --- 4. the output folder is checked before any request ---------------------------------------------
+
 
 @pytest.mark.parametrize("where", ["/proc/nope", "file/under-a-file"])
 def test_unwritable_out_fails_before_any_request(where, no_datasets, embedded_dir, backend, tmp_path, capsys):
@@ -190,12 +219,15 @@ def test_out_folder_is_created_before_the_run(tmp_path):
 
 # --- 5. the SLOs go together -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("given,missing", [("--slo-ttft-ms", "--slo-tpot-ms"), ("--slo-tpot-ms", "--slo-ttft-ms")])
 def test_one_slo_alone_is_refused_before_any_request(given, missing, backend, embedded_dir, capsys):
     assert main([*USER_COMMAND, "--tokenizer", str(embedded_dir), given, "100"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {given} needs {missing} too: goodput counts the requests that meet both SLOs, so " \
-                  f"give both or neither"
+    assert (
+        err == f"error: {given} needs {missing} too: goodput counts the requests that meet both SLOs, so "
+        f"give both or neither"
+    )
     assert not backend.sent
 
 
@@ -206,8 +238,19 @@ def test_both_slos_or_neither():
 
 # --- 6. --url must be a URL --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("url", ["notaurl", "127.0.0.1:8000", "localhost:8000", "ftp://127.0.0.1:21",
-                                 "http://", "http://127.0.0.1:notaport", "http://127.0.0.1:99999"])
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "notaurl",
+        "127.0.0.1:8000",
+        "localhost:8000",
+        "ftp://127.0.0.1:21",
+        "http://",
+        "http://127.0.0.1:notaport",
+        "http://127.0.0.1:99999",
+    ],
+)
 def test_invalid_url_is_refused_as_such(url, backend, capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", "--backend", "openai", "--url", url])

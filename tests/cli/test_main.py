@@ -30,8 +30,9 @@ def test_help_lists_commands():
 
 def test_generate_without_server_fails_clearly():
     port = _free_port()
-    run = subprocess.run(PDSERVE + ["generate", "hi", "--port", str(port), "--timeout", "5"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        PDSERVE + ["generate", "hi", "--port", str(port), "--timeout", "5"], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 2
     assert "UNAVAILABLE" in run.stderr or "DEADLINE_EXCEEDED" in run.stderr
 
@@ -57,10 +58,13 @@ def test_serve_says_when_it_made_the_cluster_secret(monkeypatch):
 def test_serve_generate_and_ctrl_c():
     port, http_port = _free_port(), _free_port()
     model = ["--model", str(STORIES)] if (STORIES / "model.safetensors").is_file() else []
-    serve = subprocess.Popen(PDSERVE + ["serve", "--placement", "colocated", "--port", str(port),
-                                        "--http-port", str(http_port), *model],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**_without_secret(), "PYTHONUNBUFFERED": "1"})
+    serve = subprocess.Popen(
+        PDSERVE + ["serve", "--placement", "colocated", "--port", str(port), "--http-port", str(http_port), *model],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**_without_secret(), "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + 240
         lines = []
@@ -76,14 +80,19 @@ def test_serve_generate_and_ctrl_c():
 
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as resp:
             assert resp.status == 200
-        gen = subprocess.run(PDSERVE + ["generate", "Once upon a time", "--port", str(port), "--max-tokens", "40"],
-                             capture_output=True, text=True, timeout=120)
+        gen = subprocess.run(
+            PDSERVE + ["generate", "Once upon a time", "--port", str(port), "--max-tokens", "40"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert gen.returncode == 0, gen.stderr
         if model:
             assert gen.stdout.startswith(", there was a little girl named Lily.")
         assert "output 40 tokens" in gen.stderr and "TTFT" in gen.stderr
-        bad = subprocess.run(PDSERVE + ["generate", "", "--port", str(port)], capture_output=True, text=True,
-                             timeout=60)
+        bad = subprocess.run(
+            PDSERVE + ["generate", "", "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "prompt is empty" in bad.stderr
     finally:
         serve.send_signal(signal.SIGINT)
@@ -95,19 +104,22 @@ def test_serve_generate_and_ctrl_c():
     assert rc == 0
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["generate", "hi", "--port", "99999"], "port must be in 0..65535"),
-    (["generate", "hi", "--seed", "-1"], "must be >= 0"),
-    (["serve", "--prefill", "0"], "must be >= 1"),
-    (["bench", "--num-requests", "0"], "must be >= 1"),
-    (["bench", "--rate", "-1"], "must be a finite number > 0"),
-    (["compare", "--rates", "1,0"], "must be a finite number > 0"),
-    (["serve", "--model", "/nonexistent/model", "--port", "0"], "not a folder"),
-    (["serve", "--no-chunked-prefill", "--target-itl-ms", "50", "--port", "0"], "needs chunked prefill"),
-    (["serve", "--address", "127.0.0.1:1", "--port", "0"], "cannot reach a Ray cluster at 127.0.0.1:1"),
-    (["compare", "--rates", "abc"], "expected comma-separated numbers > 0, got 'abc'"),
-    (["generate", "hi", "--bogus"], "usage: pdserve generate"),  # the command's usage, not pdserve's
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "hi", "--port", "99999"], "port must be in 0..65535"),
+        (["generate", "hi", "--seed", "-1"], "must be >= 0"),
+        (["serve", "--prefill", "0"], "must be >= 1"),
+        (["bench", "--num-requests", "0"], "must be >= 1"),
+        (["bench", "--rate", "-1"], "must be a finite number > 0"),
+        (["compare", "--rates", "1,0"], "must be a finite number > 0"),
+        (["serve", "--model", "/nonexistent/model", "--port", "0"], "not a folder"),
+        (["serve", "--no-chunked-prefill", "--target-itl-ms", "50", "--port", "0"], "needs chunked prefill"),
+        (["serve", "--address", "127.0.0.1:1", "--port", "0"], "cannot reach a Ray cluster at 127.0.0.1:1"),
+        (["compare", "--rates", "abc"], "expected comma-separated numbers > 0, got 'abc'"),
+        (["generate", "hi", "--bogus"], "usage: pdserve generate"),  # the command's usage, not pdserve's
+    ],
+)
 def test_bad_flags_get_one_clear_line(argv, needle):
     run = subprocess.run(PDSERVE + argv, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
@@ -119,16 +131,35 @@ def test_device_cuda_without_gpus_is_refused():
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has GPUs for both workers")
-    run = subprocess.run(PDSERVE + ["serve", "--device", "cuda", "--port", "0"], capture_output=True, text=True,
-                         timeout=180)
+    run = subprocess.run(
+        PDSERVE + ["serve", "--device", "cuda", "--port", "0"], capture_output=True, text=True, timeout=180
+    )
     assert run.returncode == 2 and "--device cuda needs 2 GPUs" in run.stderr, run.stderr
 
 
 def test_throughput_prints_and_writes_figures(tmp_path):
     out_json = tmp_path / "w1.json"
-    run = subprocess.run(PDSERVE + ["throughput", "--model", "embedded", "--num-prompts", "3", "--input-len", "20",
-                                    "--output-len", "5", "--dtype", "float32", "--json", str(out_json)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        PDSERVE
+        + [
+            "throughput",
+            "--model",
+            "embedded",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "20",
+            "--output-len",
+            "5",
+            "--dtype",
+            "float32",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "tok/s" in run.stdout and "ms/step at batch 3" in run.stdout
     import re
@@ -147,17 +178,40 @@ def test_throughput_prints_and_writes_figures(tmp_path):
 
 
 def test_throughput_refuses_a_prompt_over_the_context_window():
-    run = subprocess.run(PDSERVE + ["throughput", "--model", "embedded", "--num-prompts", "1", "--input-len", "5000",
-                                    "--output-len", "5"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        PDSERVE
+        + ["throughput", "--model", "embedded", "--num-prompts", "1", "--input-len", "5000", "--output-len", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2
     assert "exceeds the context window" in run.stderr
 
 
 def test_throughput_reports_the_batch_it_reached_and_refuses_cuda_without_gpus(tmp_path):
     out_json = tmp_path / "w1.json"
-    run = subprocess.run(PDSERVE + ["throughput", "--model", "embedded", "--num-prompts", "4", "--input-len", "8",
-                                    "--output-len", "4", "--max-num-seqs", "2", "--json", str(out_json)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        PDSERVE
+        + [
+            "throughput",
+            "--model",
+            "embedded",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-num-seqs",
+            "2",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "ms/step at batch 2" in run.stdout
     import json
@@ -167,8 +221,12 @@ def test_throughput_reports_the_batch_it_reached_and_refuses_cuda_without_gpus(t
     import torch
 
     if not torch.cuda.is_available():
-        run = subprocess.run(PDSERVE + ["throughput", "--device", "cuda", "--num-prompts", "1", "--input-len", "8",
-                                        "--output-len", "2"], capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            PDSERVE + ["throughput", "--device", "cuda", "--num-prompts", "1", "--input-len", "8", "--output-len", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 2 and "sees no CUDA device" in run.stderr and "Traceback" not in run.stderr
 
 

@@ -104,4 +104,4 @@ def test_a_local_node_takes_the_loopback_ip_and_ray_is_left_as_it_was(monkeypatc
     setting = ray_constants.ENABLE_RAY_CLUSTER
     launch._start_local_ray(2)
     assert seen == [launch.LOOPBACK]
-    assert ray_constants.ENABLE_RAY_CLUSTER == setting
+    assert setting == ray_constants.ENABLE_RAY_CLUSTER

@@ -26,8 +26,16 @@ def test_prefill_and_decode_compute_a_position_the_same_bits(embedded_dir, dtype
         load_cpu_kernels()
     except KernelUnavailable as exc:
         pytest.skip(f"the C++ kernel cannot be built here: {exc}")
-    engine = LLMEngine(EngineConfig(model=str(embedded_dir), dtype=dtype, num_kv_blocks=512, block_size=16,
-                                 attention_backend="cpu-paged", enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(embedded_dir),
+            dtype=dtype,
+            num_kv_blocks=512,
+            block_size=16,
+            attention_backend="cpu-paged",
+            enable_prefix_caching=False,
+        )
+    )
     prompt = engine.tokenizer.encode(STORY)
     out = engine.generate([prompt], greedy(40))[0]
     for k in (7, 20, 33):  # migration points inside and across KV blocks

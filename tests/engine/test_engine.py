@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, KvCacheFullError
 from pdserve.engine.kv.codec import pack_kv, unpack_kv
+from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine
 from pdserve.engine.params import SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts
 
@@ -59,7 +59,8 @@ def test_kv_handoff_between_engines_equals_single_engine(embedded_dir, prompts):
         decode = LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, block_size=16, dtype=dtype))
         params = SamplingParams(temperature=0.7, top_k=40, seed=7, max_tokens=12)
         expected = LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=256, dtype=dtype)).generate(
-            prompts[:4], params)
+            prompts[:4], params
+        )
         for i, p in enumerate(prompts[:4]):
             prefill.add_request(f"r{i}", p, params)
         outs = prefill.step()
@@ -74,7 +75,9 @@ def test_kv_handoff_between_engines_equals_single_engine(embedded_dir, prompts):
 
 
 def test_request_checks_and_cache_full(embedded_dir, prompts):
-    engine = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64))
+    engine = LLMEngine(
+        EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64)
+    )
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("a", [], GREEDY)
     with pytest.raises(ValueError, match="out of range"):
@@ -105,11 +108,18 @@ def test_a_kv_kept_out_by_a_full_cache_preempts_and_every_output_is_unchanged(em
     for i, p in enumerate(picked):
         donor.add_request(f"r{i}", p, params)
     payloads = [donor.extract_kv(o.seq) for o in donor.step()]
-    expected = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
-                                   block_size=8)).generate(picked, params)
+    expected = LLMEngine(
+        EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256, block_size=8)
+    ).generate(picked, params)
     need = [donor.blocks.blocks_for(len(p) + 40) for p in picked]
-    decode = LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", block_size=8,
-                                 num_kv_blocks=max(need[0] + need[1], need[2] + max(need[:2]))))
+    decode = LLMEngine(
+        EngineConfig(
+            model=str(embedded_dir),
+            dtype="float32",
+            block_size=8,
+            num_kv_blocks=max(need[0] + need[1], need[2] + max(need[:2])),
+        )
+    )
     seqs = [decode.admit_kv(payloads[0]), decode.admit_kv(payloads[1])]
     while decode.blocks.num_free >= decode.blocks.blocks_for(len(picked[2]) + 1):
         decode.step()

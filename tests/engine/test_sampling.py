@@ -31,6 +31,7 @@ def draws(logits_row: torch.Tensor, params: SamplingParams, n: int, step: int = 
 
 # -- greedy and its limits ------------------------------------------------------------------------
 
+
 def test_greedy_is_argmax_per_row() -> None:
     logits = random_logits(6, 50, seed=1)
     assert sample(logits, [GREEDY] * 6, [0] * 6) == logits.argmax(dim=-1).tolist()
@@ -46,13 +47,20 @@ def test_greedy_rows_stay_argmax_next_to_sampled_rows() -> None:
 
 def test_half_precision_logits_are_accepted() -> None:
     logits = random_logits(3, 40, seed=3)
-    assert sample(logits.to(torch.bfloat16), [GREEDY] * 3, [0] * 3) == \
-        logits.to(torch.bfloat16).float().argmax(dim=-1).tolist()
+    assert (
+        sample(logits.to(torch.bfloat16), [GREEDY] * 3, [0] * 3)
+        == logits.to(torch.bfloat16).float().argmax(dim=-1).tolist()
+    )
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1, temperature=1.5),
-                                    SamplingParams(top_p=1e-6, temperature=1.5),
-                                    SamplingParams(top_k=1, top_p=0.3, temperature=0.7)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1, temperature=1.5),
+        SamplingParams(top_p=1e-6, temperature=1.5),
+        SamplingParams(top_k=1, top_p=0.3, temperature=0.7),
+    ],
+)
 def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:
     for logits_seed in range(10):
         logits = random_logits(8, 100, seed=logits_seed, scale=0.5)
@@ -61,6 +69,7 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:
 
 
 # -- seeds ----------------------------------------------------------------------------------------
+
 
 def test_seeded_draw_does_not_depend_on_position_or_neighbours() -> None:
     logits = random_logits(1, 64, seed=4, scale=0.5)[0]
@@ -93,6 +102,7 @@ def test_different_seeds_and_steps_give_different_draws() -> None:
 
 
 # -- filters --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("k", [2, 5, 17])
 def test_top_k_never_samples_outside_the_top_k(k: int) -> None:
@@ -163,16 +173,20 @@ def test_temperature_scales_the_distribution(temperature: float, spread: str) ->
 
 # -- SamplingParams -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"temperature": -0.1}, "temperature must be a finite number >= 0, got -0.1"),
-    ({"temperature": math.inf}, "temperature must be a finite number >= 0, got inf"),
-    ({"temperature": math.nan}, "temperature must be a finite number >= 0, got nan"),
-    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
-    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-    ({"top_p": math.nan}, "top_p must be in (0, 1], got nan"),
-    ({"top_k": -1}, "top_k must be >= 0 (0 disables), got -1"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
-])
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0, got -0.1"),
+        ({"temperature": math.inf}, "temperature must be a finite number >= 0, got inf"),
+        ({"temperature": math.nan}, "temperature must be a finite number >= 0, got nan"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_p": math.nan}, "top_p must be in (0, 1], got nan"),
+        ({"top_k": -1}, "top_k must be >= 0 (0 disables), got -1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ],
+)
 def test_invalid_sampling_params_are_refused_with_a_readable_message(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
@@ -185,7 +199,9 @@ def test_float32_values_are_shown_as_the_client_wrote_them() -> None:
     errors = sampling_errors(temperature=as_f32(-0.7), top_p=as_f32(1.1), top_k=0, max_tokens=1)
     assert errors == ["temperature must be a finite number >= 0, got -0.7", "top_p must be in (0, 1], got 1.1"]
     assert sampling_errors(temperature=-0.1, top_p=1.0 + 1e-12, top_k=0, max_tokens=1) == [
-        "temperature must be a finite number >= 0, got -0.1", f"top_p must be in (0, 1], got {1.0 + 1e-12!r}"]
+        "temperature must be a finite number >= 0, got -0.1",
+        f"top_p must be in (0, 1], got {1.0 + 1e-12!r}",
+    ]
 
 
 def test_every_problem_is_reported_at_once() -> None:
@@ -218,6 +234,7 @@ def test_from_dict_refuses_missing_keys_and_bad_values() -> None:
 
 
 # -- step_seed ------------------------------------------------------------------------------------
+
 
 def test_step_seed_matches_splitmix64_reference() -> None:
     # SplitMix64 seeded with 0 yields e220a8397b1dcdaf, 6e789e6aa1b965f4, 06c45d188009454f;

@@ -31,8 +31,9 @@ async def _stream(request: bytes, context) -> None:
 
 async def serve(address: str) -> None:
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    handler = grpc.method_handlers_generic_handler("probe.Probe", {
-        "Stream": grpc.unary_stream_rpc_method_handler(_stream)})
+    handler = grpc.method_handlers_generic_handler(
+        "probe.Probe", {"Stream": grpc.unary_stream_rpc_method_handler(_stream)}
+    )
     server.add_generic_rpc_handlers((handler,))
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"cannot bind {address}")

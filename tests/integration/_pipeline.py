@@ -12,9 +12,9 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 @dataclass
 class Pipeline:
-    address: str            # router host:port
-    workers: list           # RunningWorker objects
-    router: object          # RunningRouter
+    address: str  # router host:port
+    workers: list  # RunningWorker objects
+    router: object  # RunningRouter
 
     @property
     def http_url(self) -> str:
@@ -42,11 +42,22 @@ class Pipeline:
 
 
 @asynccontextmanager
-async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: int = 512,
-                         block_size: int = 16, dtype: str = "float32", http: bool = False,
-                         api_keys: tuple[str, ...] = (), num_decode: int = 1, max_requests_per_worker: int = 0,
-                         tls: tuple[str, str] | None = None, routing: str = "prefix-aware",
-                         local_prefill_tokens: int = 0, num_prefill: int = 1, **engine_kw):
+async def local_pipeline(
+    model: Path,
+    placement: str = "split",
+    num_kv_blocks: int = 512,
+    block_size: int = 16,
+    dtype: str = "float32",
+    http: bool = False,
+    api_keys: tuple[str, ...] = (),
+    num_decode: int = 1,
+    max_requests_per_worker: int = 0,
+    tls: tuple[str, str] | None = None,
+    routing: str = "prefix-aware",
+    local_prefill_tokens: int = 0,
+    num_prefill: int = 1,
+    **engine_kw,
+):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``).
     ``num_prefill`` / ``num_decode``: workers per pool (``num_decode`` colocated workers when colocated)."""
@@ -56,21 +67,37 @@ async def local_pipeline(model: Path, placement: str = "split", num_kv_blocks: i
     import pdserve.router.grpc_api as router
     from pdserve.engine.config import EngineConfig
 
-    cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype,
-                       **engine_kw)
+    cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, **engine_kw)
     if placement == "split":
-        workers = list(await asyncio.gather(*[prefill.serve(cfg) for _ in range(num_prefill)],
-                                            *[decode.serve(cfg) for _ in range(num_decode)]))
-        r = await router.serve(model, prefill=[w.address for w in workers[:num_prefill]],
-                               decode=[w.address for w in workers[num_prefill:]],
-                               http_port=0 if http else None, model_name="test-model",
-                               api_keys=api_keys, max_requests_per_worker=max_requests_per_worker, tls=tls,
-                               routing=routing, local_prefill_tokens=local_prefill_tokens)
+        workers = list(
+            await asyncio.gather(
+                *[prefill.serve(cfg) for _ in range(num_prefill)], *[decode.serve(cfg) for _ in range(num_decode)]
+            )
+        )
+        r = await router.serve(
+            model,
+            prefill=[w.address for w in workers[:num_prefill]],
+            decode=[w.address for w in workers[num_prefill:]],
+            http_port=0 if http else None,
+            model_name="test-model",
+            api_keys=api_keys,
+            max_requests_per_worker=max_requests_per_worker,
+            tls=tls,
+            routing=routing,
+            local_prefill_tokens=local_prefill_tokens,
+        )
     else:
         workers = list(await asyncio.gather(*[colocated.serve(cfg) for _ in range(num_decode)]))
-        r = await router.serve(model, colocated=[w.address for w in workers], http_port=0 if http else None,
-                               model_name="test-model", api_keys=api_keys, max_requests_per_worker=max_requests_per_worker,
-                               tls=tls, routing=routing)
+        r = await router.serve(
+            model,
+            colocated=[w.address for w in workers],
+            http_port=0 if http else None,
+            model_name="test-model",
+            api_keys=api_keys,
+            max_requests_per_worker=max_requests_per_worker,
+            tls=tls,
+            routing=routing,
+        )
     try:
         yield Pipeline(r.address, workers, r)
     finally:

@@ -27,14 +27,18 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 STATS_TIMEOUT_S = 10.0
 
 
-async def _generate_all(router: str, prompts: list[str], max_tokens: int,
-                        timeout_s: float) -> tuple[list[list[int]] | None, str]:
+async def _generate_all(
+    router: str, prompts: list[str], max_tokens: int, timeout_s: float
+) -> tuple[list[list[int]] | None, str]:
     """Token ids per prompt, or None and the first failure when any request failed."""
     async with Client(router) as client:
         try:
-            results = await asyncio.gather(*[
-                client.generate(make_request(p, max_tokens=max_tokens, temperature=0), timeout=timeout_s)
-                for p in prompts])
+            results = await asyncio.gather(
+                *[
+                    client.generate(make_request(p, max_tokens=max_tokens, temperature=0), timeout=timeout_s)
+                    for p in prompts
+                ]
+            )
         except grpc.aio.AioRpcError as exc:
             return None, f"{exc.code().name}: {exc.details()}"
     errors = [r.error for r in results if r.error]
@@ -46,8 +50,9 @@ async def _stats_status(address: str, secret: str | None) -> str:
     metadata = (("x-pdserve-cluster-secret", secret),) if secret else None
     async with grpc.aio.insecure_channel(address) as ch:
         try:
-            await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest(), metadata=metadata,
-                                                                 timeout=STATS_TIMEOUT_S)
+            await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(
+                worker_pb2.GetStatsRequest(), metadata=metadata, timeout=STATS_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             return exc.code().name
     return "OK"
@@ -58,8 +63,7 @@ async def main(args) -> dict:
     tokens, attempts, errors = None, 0, []
     while tokens is None:
         attempts += 1
-        tokens, error = await _generate_all(args.router, json.loads(args.prompts), args.max_tokens,
-                                              args.call_timeout)
+        tokens, error = await _generate_all(args.router, json.loads(args.prompts), args.max_tokens, args.call_timeout)
         errors += [error] if error and error not in errors else []
         if tokens is None and time.monotonic() - t0 > args.until_ok:
             break

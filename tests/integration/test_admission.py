@@ -19,8 +19,12 @@ async def test_a_short_request_behind_a_full_decode_batch_is_not_stalled(embedde
         t = time.monotonic()
         solo = await client.generate(short)
         solo_s = time.monotonic() - t
-        longs = [asyncio.create_task(client.generate(make_request(f"story {i}", max_tokens=600, temperature=0,
-                                                                   ignore_eos=True))) for i in range(6)]
+        longs = [
+            asyncio.create_task(
+                client.generate(make_request(f"story {i}", max_tokens=600, temperature=0, ignore_eos=True))
+            )
+            for i in range(6)
+        ]
         await asyncio.sleep(0.5)  # all six are decoding
         t = time.monotonic()
         crowded = await client.generate(short)
@@ -34,21 +38,30 @@ async def test_a_short_request_behind_a_full_decode_batch_is_not_stalled(embedde
 
 
 @pytest.mark.parametrize("placement,local_prefill_tokens", [("split", 32), ("split", 0), ("colocated", 0)])
-async def test_a_short_request_beside_more_long_streams_than_max_num_seqs(embedded_dir, placement,
-                                                                          local_prefill_tokens):
+async def test_a_short_request_beside_more_long_streams_than_max_num_seqs(
+    embedded_dir, placement, local_prefill_tokens
+):
     """More long streams than --max-num-seqs run, then a short request: it ends within a small
     multiple of its solo time, in split placement (prefilled on the decode worker, as a short
     prompt or a next turn is, and with its KV pushed) and colocated; and none of the long
     streams waits for the others."""
-    async with local_pipeline(embedded_dir, placement, max_num_seqs=4, local_prefill_tokens=local_prefill_tokens,
-                              num_kv_blocks=1024) as pipe, Client(pipe.address) as client:
+    async with (
+        local_pipeline(
+            embedded_dir, placement, max_num_seqs=4, local_prefill_tokens=local_prefill_tokens, num_kv_blocks=1024
+        ) as pipe,
+        Client(pipe.address) as client,
+    ):
         short = make_request("Once upon a time", max_tokens=12, temperature=0, ignore_eos=True)
         await client.generate(short)  # warm-up
         t = time.monotonic()
         solo = await client.generate(short)
         solo_s = time.monotonic() - t
-        longs = [asyncio.create_task(client.generate(make_request(f"tale {i}", max_tokens=500, temperature=0,
-                                                                   ignore_eos=True))) for i in range(7)]
+        longs = [
+            asyncio.create_task(
+                client.generate(make_request(f"tale {i}", max_tokens=500, temperature=0, ignore_eos=True))
+            )
+            for i in range(7)
+        ]
         await asyncio.sleep(1.0)
         t = time.monotonic()
         crowded = await client.generate(short)
@@ -71,10 +84,16 @@ async def test_a_full_cluster_refuses_with_resource_exhausted_and_a_retry_hint(e
     import grpc
     import httpx
 
-    async with local_pipeline(embedded_dir, placement, http=True, max_requests_per_worker=2) as pipe, \
-            Client(pipe.address) as client:
-        longs = [asyncio.create_task(client.generate(make_request(f"s{i}", max_tokens=400, ignore_eos=True,
-                                                                   request_id=f"long{i}"))) for i in range(2)]
+    async with (
+        local_pipeline(embedded_dir, placement, http=True, max_requests_per_worker=2) as pipe,
+        Client(pipe.address) as client,
+    ):
+        longs = [
+            asyncio.create_task(
+                client.generate(make_request(f"s{i}", max_tokens=400, ignore_eos=True, request_id=f"long{i}"))
+            )
+            for i in range(2)
+        ]
         await asyncio.sleep(0.3)
         call = client.stub.Generate(make_request("hi", max_tokens=2))
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.rpc.auth import SECRET_ENV
 from pdserve.router.client import Client, make_request
+from pdserve.rpc.auth import SECRET_ENV
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration._pipeline import local_pipeline
 
@@ -31,17 +31,20 @@ async def test_api_keys_guard_both_apis_and_abort_is_per_key(embedded_dir, monke
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         async with Client(pipe.address, "key-a") as a, Client(pipe.address, "key-b") as b:
             assert len((await a.generate(make_request("hi", max_tokens=3, temperature=0))).token_ids) == 3
-            long = asyncio.create_task(a.generate(make_request("hi", max_tokens=500, ignore_eos=True,
-                                                               request_id="mine")))
+            long = asyncio.create_task(
+                a.generate(make_request("hi", max_tokens=500, ignore_eos=True, request_id="mine"))
+            )
             await asyncio.sleep(0.3)
             assert await b.abort("mine") is False  # another key's request: no effect
             assert await a.abort("mine") is True
             assert (await long).finish_reason == "abort"
         with pytest.raises(openai.AuthenticationError):
             await openai.AsyncOpenAI(base_url=pipe.http_url + "/v1", api_key="wrong", max_retries=0).completions.create(
-                model="test-model", prompt="hi", max_tokens=2)
-        ok = await openai.AsyncOpenAI(base_url=pipe.http_url + "/v1", api_key="key-b", max_retries=0).completions.create(
-            model="test-model", prompt="hi", max_tokens=2)
+                model="test-model", prompt="hi", max_tokens=2
+            )
+        ok = await openai.AsyncOpenAI(
+            base_url=pipe.http_url + "/v1", api_key="key-b", max_retries=0
+        ).completions.create(model="test-model", prompt="hi", max_tokens=2)
         assert ok.usage.completion_tokens == 2
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
             refused = await http.get("/v1/models")
@@ -54,13 +57,15 @@ async def test_api_keys_guard_both_apis_and_abort_is_per_key(embedded_dir, monke
             metrics = await http.get("/metrics", headers={"authorization": "Bearer key-b"})  # as Prometheus scrapes
         assert metrics.status_code == 200
         families = list(text_string_to_metric_families(metrics.text))
-        rejected = {s.labels["reason"]: s.value for f in families if f.name == "pdserve:requests_rejected"
-                    for s in f.samples}
+        rejected = {
+            s.labels["reason"]: s.value for f in families if f.name == "pdserve:requests_rejected" for s in f.samples
+        }
         assert rejected["unauthenticated"] == 6  # two gRPC calls, four HTTP 401s
         assert rejected["invalid"] == 0
         # workers by role and index: no internal address or port
-        healthy = {s.labels["worker"]: s.value for f in families if f.name == "pdserve:worker_healthy"
-                   for s in f.samples}
+        healthy = {
+            s.labels["worker"]: s.value for f in families if f.name == "pdserve:worker_healthy" for s in f.samples
+        }
         assert healthy == {"prefill-0": 1, "decode-0": 1}
         ports = [w.address.rpartition(":")[2] for w in pipe.workers]
         values = [v for f in families for s in f.samples for v in s.labels.values()]
@@ -94,8 +99,10 @@ async def test_model_info_shows_the_model_path_and_worker_addresses_only_to_an_a
         addresses = sorted(w.address for w in pipe.workers)
         for view in (await client.model_info(), await client.model_info(cluster_secret="a-guess")):
             assert view.model == "test-model" and view.model_path == "" and view.max_model_len > 0
-            assert sorted((w.role, w.healthy, w.address) for w in view.workers) == [("decode", True, ""),
-                                                                                    ("prefill", True, "")]
+            assert sorted((w.role, w.healthy, w.address) for w in view.workers) == [
+                ("decode", True, ""),
+                ("prefill", True, ""),
+            ]
             assert str(embedded_dir) not in str(view) and not any(a in str(view) for a in addresses)
         admin = await client.model_info(cluster_secret=secret)
         assert admin.model == "test-model" and admin.model_path == str(embedded_dir)
@@ -112,8 +119,10 @@ async def test_model_info_shows_the_model_path_and_worker_addresses_only_to_an_a
                 break
             await asyncio.sleep(0.05)
         assert info.model_path == ""
-        assert sorted((w.role, w.healthy, w.address) for w in info.workers) == [("decode", False, ""),
-                                                                                ("prefill", True, "")]
+        assert sorted((w.role, w.healthy, w.address) for w in info.workers) == [
+            ("decode", False, ""),
+            ("prefill", True, ""),
+        ]
 
 
 def test_api_key_settings_that_would_leave_the_server_open_are_refused():
@@ -135,9 +144,28 @@ def self_signed(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("no openssl to make a certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert), str(key)
 
 

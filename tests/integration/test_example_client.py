@@ -17,13 +17,15 @@ from tests.integration._pipeline import local_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 # after the example ran: every pdserve module it imported must come from the generated stubs
-GUARD = ("import os, runpy, sys; sys.argv = sys.argv[1:]; code = 0\n"
-         "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-         "except SystemExit as e:\n    code = e.code\n"
-         "mods = [m for m in sys.modules if m.split('.')[0] == 'pdserve']\n"
-         "bad = [m for m in mods if getattr(sys.modules[m], '__file__', None) and not "
-         "sys.modules[m].__file__.startswith(os.getcwd())]\n"
-         "print('PDSERVE_MODULES', sorted(mods), 'FOREIGN', bad, file=sys.stderr); sys.exit(code)")
+GUARD = (
+    "import os, runpy, sys; sys.argv = sys.argv[1:]; code = 0\n"
+    "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    "except SystemExit as e:\n    code = e.code\n"
+    "mods = [m for m in sys.modules if m.split('.')[0] == 'pdserve']\n"
+    "bad = [m for m in mods if getattr(sys.modules[m], '__file__', None) and not "
+    "sys.modules[m].__file__.startswith(os.getcwd())]\n"
+    "print('PDSERVE_MODULES', sorted(mods), 'FOREIGN', bad, file=sys.stderr); sys.exit(code)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,16 @@ def client_dir(tmp_path_factory) -> Path:
         if f.name.endswith(".proto"):
             shutil.copyfile(f, src / f.name)
     shutil.copyfile(ROOT / "examples" / "grpc_client.py", root / "grpc_client.py")
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-I", "protos", "--python_out=.", "--grpc_python_out=.",
-           "protos/pdserve/v1/generate.proto"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        "-I",
+        "protos",
+        "--python_out=.",
+        "--grpc_python_out=.",
+        "protos/pdserve/v1/generate.proto",
+    ]
     subprocess.run(cmd, check=True, cwd=root)
     (root / "pdserve" / "__init__.py").touch()
     (root / "pdserve" / "v1" / "__init__.py").touch()
@@ -49,16 +59,23 @@ def client_dir(tmp_path_factory) -> Path:
 def run_example(root: Path, *args: str) -> subprocess.CompletedProcess:
     """``python grpc_client.py ARGS`` in ``root`` (through a guard that lists where pdserve modules came from)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", GUARD, "grpc_client.py", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=root)
+    return subprocess.run(
+        [sys.executable, "-c", GUARD, "grpc_client.py", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=root,
+    )
 
 
 async def test_example_client_streams_with_only_generated_stubs(client_dir, embedded_dir):
     async with local_pipeline(embedded_dir, "split") as pipe:
         async with Client(pipe.address) as client:
             ref = await client.generate(make_request("Once upon a time", max_tokens=20, temperature=0))
-        done = await asyncio.to_thread(run_example, client_dir, "Once upon a time", "--address", pipe.address,
-                                       "--max-tokens", "20")
+        done = await asyncio.to_thread(
+            run_example, client_dir, "Once upon a time", "--address", pipe.address, "--max-tokens", "20"
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout == ref.text + "\n"
         assert "FINISH_REASON_LENGTH" in done.stderr and "FOREIGN []" in done.stderr

@@ -10,9 +10,9 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.rpc.auth import SECRET_ENV
 from pdserve.router.backends import MAX_MIGRATIONS
 from pdserve.router.client import Client, make_request
+from pdserve.rpc.auth import SECRET_ENV
 from pdserve.v1 import generate_pb2 as PB
 from tests.integration._pipeline import local_pipeline
 
@@ -55,7 +55,8 @@ async def test_without_a_live_decode_worker_the_stream_ends_with_an_error_soon(e
         loop = asyncio.get_running_loop()
         t = loop.time()
         tokens, _, error, killed, _ = await _stream_and_kill(
-            pipe, client, make_request("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0), 5)
+            pipe, client, make_request("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0), 5
+        )
         assert error is not None and error.code == "UNAVAILABLE" and killed is not None
         assert loop.time() - t < 8.0  # the migration waits up to 4 s for a live worker, then gives up
 
@@ -83,7 +84,6 @@ async def test_a_prefill_worker_that_dies_before_its_kv_arrives_is_noticed_at_on
         assert len(res.token_ids) == 1 and loop.time() - t < 10
         decode = pipe.workers[1].worker.engine
         assert decode.blocks.num_used == 0 and not decode.scheduler.has_work()
-
 
 
 async def test_a_kv_push_that_decode_never_sees_ends_the_decode_wait_at_once(embedded_dir, monkeypatch):
@@ -140,6 +140,7 @@ async def test_a_deadline_that_passes_during_the_kv_push_migrates_nothing(embedd
     """The request's own deadline ends its Prefill stream while the push hangs: the client gets
     DEADLINE_EXCEEDED, and the router neither retries the request nor takes a worker out of routing."""
     async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+
         async def hanging_push(target, request_id, frame):
             await asyncio.sleep(3600)
 

@@ -41,8 +41,14 @@ async def test_completions_give_the_grpc_text(model_dir, placement):
             assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (ref.prompt_tokens, len(ref.token_ids))
             assert full.model_extra["pdserve"]["prefill_s"] > 0
             parts, usage, timing = [], None, None
-            stream = await api.completions.create(model="test-model", prompt=prompt, max_tokens=12, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True})
+            stream = await api.completions.create(
+                model="test-model",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             async for chunk in stream:
                 if chunk.choices:
                     parts.append(chunk.choices[0].text)
@@ -72,12 +78,14 @@ async def test_chat_renders_the_template_and_gives_the_grpc_text(embedded_dir, p
     async with local_pipeline(embedded_dir, placement, http=True) as pipe:
         api = sdk(pipe)
         ref = await grpc_result(pipe, prompt="", prompt_token_ids=ids, max_tokens=10, temperature=0)
-        full = await api.chat.completions.create(model="test-model", messages=messages, max_completion_tokens=10,
-                                                 temperature=0)
+        full = await api.chat.completions.create(
+            model="test-model", messages=messages, max_completion_tokens=10, temperature=0
+        )
         assert full.choices[0].message.content == ref.text and full.choices[0].message.role == "assistant"
         assert full.usage.prompt_tokens == len(ids)
-        stream = await api.chat.completions.create(model="test-model", messages=messages, max_tokens=10,
-                                                   temperature=0, stream=True)
+        stream = await api.chat.completions.create(
+            model="test-model", messages=messages, max_tokens=10, temperature=0, stream=True
+        )
         parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         assert "".join(parts) == ref.text
 
@@ -109,18 +117,24 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
             await api.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
             raw_cases = [  # (body, words in the message or the named param)
-                (b"{not json", "not valid JSON"), (b"[" * 5000, "not valid JSON"),
+                (b"{not json", "not valid JSON"),
+                (b"[" * 5000, "not valid JSON"),
                 (b'{"prompt": "hi \\ud800", "max_tokens": 2}', "lone UTF-16 surrogate"),
-                (b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}', "lone UTF-16 surrogate"),
+                (
+                    b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}',
+                    "lone UTF-16 surrogate",
+                ),
                 (b'{"prompt": "hi", "n": 0}', "n must be 1 (one choice per request), got 0"),
                 (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens must be >= 1, got 0"),
                 (b'{"prompt": "hi", "max_tokens": -1}', "max_tokens must be >= 1, got -1"),
                 (b'{"prompt": "hi", "top_p": 1.5, "max_tokens": 2}', "top_p must be in (0, 1], got 1.5"),
                 (b'{"prompt": "hi", "top_p": 1.1, "max_tokens": 2}', "top_p must be in (0, 1], got 1.1"),
                 (b'{"prompt": "hi", "temperature": -0.7, "max_tokens": 2}', "got -0.7"),
-                (b'[1, 2]', "JSON object"),
-                (b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"), (b'{"prompt": "hi", "max_tokens": true}', "max_tokens"),
-                (b'{"prompt": [true, false]}', "prompt"), (b'{"prompt": "hi", "stream": "yes"}', "stream"),
+                (b"[1, 2]", "JSON object"),
+                (b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"),
+                (b'{"prompt": "hi", "max_tokens": true}', "max_tokens"),
+                (b'{"prompt": [true, false]}', "prompt"),
+                (b'{"prompt": "hi", "stream": "yes"}', "stream"),
                 (b'{"prompt": [1099511627776]}', "prompt"),
             ]
             for body, words in raw_cases:
@@ -129,8 +143,10 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
                 err = r.json()["error"]
                 assert r.status_code == 400, (body[:40], r.text[:200])
                 assert words in err["message"] or err["param"] == words, (body[:40], err)
-            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None, "stream": None,
-                                                         "ignore_eos": None, "temperature": 0})
+            r = await http.post(
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "ignore_eos": None, "temperature": 0},
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
             r = await http.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True, "temperature": 0})
             assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens for completions
@@ -148,8 +164,9 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
             assert small.status_code == 200 and asyncio.get_running_loop().time() - t < 5.0
             r = await huge
             assert r.status_code == 400 and "at least" in r.json()["error"]["message"]
-            too_big = await http.post("/v1/completions", content=b" " * (65 << 20), timeout=60,
-                                      headers={"content-type": "application/json"})
+            too_big = await http.post(
+                "/v1/completions", content=b" " * (65 << 20), timeout=60, headers={"content-type": "application/json"}
+            )
             assert too_big.status_code == 400 and "bytes" in too_big.json()["error"]["message"]
         ok = await api.completions.create(model="test-model", prompt="hi", max_tokens=3, temperature=0)
         assert ok.usage.completion_tokens == 3
@@ -159,8 +176,11 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(embed
 async def sse_events(http: httpx.AsyncClient, body: dict) -> list[dict]:
     async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
-        return [json.loads(line[6:]) async for line in r.aiter_lines()
-                if line.startswith("data: ") and line != "data: [DONE]"]
+        return [
+            json.loads(line[6:])
+            async for line in r.aiter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
 
 
 async def test_streams_send_no_chunk_without_text(embedded_dir):
@@ -171,12 +191,18 @@ async def test_streams_send_no_chunk_without_text(embedded_dir):
             textless = 0
             for seed, prompt in enumerate(["写一个关于猫的故事 🐱", "Emoji: 😀🎉", "混合 mixed text"]):
                 body = {"prompt": prompt, "max_tokens": 40, "temperature": 1.0, "seed": seed, "ignore_eos": True}
-                textless += len([m async for m in client.stream(make_request(**body))
-                                 if m.WhichOneof("kind") == "chunk" and not m.chunk.text])
+                textless += len(
+                    [
+                        m
+                        async for m in client.stream(make_request(**body))
+                        if m.WhichOneof("kind") == "chunk" and not m.chunk.text
+                    ]
+                )
                 events = await sse_events(http, {**body, "stream_options": {"include_usage": True}})
                 for event in events:
-                    assert event["choices"] == [] or event["choices"][0]["text"] \
-                        or event["choices"][0]["finish_reason"], event
+                    assert (
+                        event["choices"] == [] or event["choices"][0]["text"] or event["choices"][0]["finish_reason"]
+                    ), event
                 assert events[-1]["usage"]["completion_tokens"] == 40 and events[-2]["choices"][0]["finish_reason"]
                 whole = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
                 assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
@@ -203,8 +229,14 @@ async def test_http_timings_say_where_the_prompt_was_prefilled(embedded_dir):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_a_client_that_drops_the_stream_frees_every_kv_block(embedded_dir, placement):
     async with local_pipeline(embedded_dir, placement, http=True) as pipe:
-        body = {"model": "test-model", "prompt": mixed_prompts()[2], "max_tokens": 400, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": "test-model",
+            "prompt": mixed_prompts()[2],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         async with httpx.AsyncClient(base_url=pipe.http_url, timeout=30) as http:
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -222,8 +254,12 @@ async def test_metrics_health_and_models(embedded_dir):
     async with local_pipeline(embedded_dir, "split", http=True) as pipe:
         api = sdk(pipe)
         n = 4
-        await asyncio.gather(*[api.completions.create(model="test-model", prompt=p, max_tokens=5, temperature=0)
-                               for p in mixed_prompts()[:n]])
+        await asyncio.gather(
+            *[
+                api.completions.create(model="test-model", prompt=p, max_tokens=5, temperature=0)
+                for p in mixed_prompts()[:n]
+            ]
+        )
         with pytest.raises(openai.BadRequestError):
             await api.completions.create(model="test-model", prompt="", max_tokens=5)
         async with httpx.AsyncClient(base_url=pipe.http_url) as http:
@@ -257,7 +293,6 @@ async def test_metrics_health_and_models(embedded_dir):
             assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
 
 
-
 async def test_chat_with_a_real_instruct_model(smollm2_dir):
     """SmolLM2-135M-Instruct answers through the openai SDK exactly as gRPC does on the same ids."""
     from tests.conftest import smollm2_chat_ids
@@ -267,6 +302,7 @@ async def test_chat_with_a_real_instruct_model(smollm2_dir):
     async with local_pipeline(smollm2_dir, "split", num_kv_blocks=256, http=True) as pipe:
         ref = await grpc_result(pipe, prompt="", prompt_token_ids=ids, max_tokens=16, temperature=0)
         reply = await sdk(pipe).chat.completions.create(
-            model="test-model", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0)
+            model="test-model", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0
+        )
         assert reply.choices[0].message.content == ref.text and "Paris" in ref.text
         assert reply.usage.prompt_tokens == len(ids)

@@ -24,8 +24,9 @@ async def test_concurrent_greedy_matches_transformers(model_dir, placement):
     # plus a 1-token prompt sent as ids
     ids.append([ids[1][-1]])
     async with local_pipeline(model_dir, placement) as pipe, Client(pipe.address) as client:
-        results = await asyncio.gather(*[
-            client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids])
+        results = await asyncio.gather(
+            *[client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids]
+        )
         for prompt_ids, res in zip(ids, results):
             assert not res.error
             assert res.prompt_tokens == len(prompt_ids)
@@ -45,8 +46,9 @@ async def test_reused_kv_buffers_never_mix_requests(embedded_dir):
         for w in pipe.workers:
             w.worker.kv_buffers = HostBuffers(min_bytes=1, max_buffers=2)
         for _ in range(2):
-            results = await asyncio.gather(*[
-                client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids])
+            results = await asyncio.gather(
+                *[client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids]
+            )
             for prompt_ids, res in zip(ids, results):
                 assert res.token_ids == hf_greedy(embedded_dir, prompt_ids, 24), tok.decode(prompt_ids)
         assert all(w.worker.kv_buffers.reused > 0 for w in pipe.workers)
@@ -57,21 +59,25 @@ async def test_reused_kv_buffers_never_mix_requests(embedded_dir):
 async def test_stories_reference_continuations(stories_dir, placement):
     async with local_pipeline(stories_dir, placement) as pipe, Client(pipe.address) as client:
         prompts = list(STORIES_REFERENCES)
-        results = await asyncio.gather(*[client.generate(make_request(p, max_tokens=40, temperature=0))
-                                         for p in prompts])
+        results = await asyncio.gather(
+            *[client.generate(make_request(p, max_tokens=40, temperature=0)) for p in prompts]
+        )
         for p, res in zip(prompts, results):
             assert res.token_ids == STORIES_REFERENCES[p]
             assert res.finish_reason == "length"
-        assert results[0].text == (", there was a little girl named Lily. She loved to play outside in the park. "
-                                   "One day, she saw a big, red ball.")
+        assert results[0].text == (
+            ", there was a little girl named Lily. She loved to play outside in the park. "
+            "One day, she saw a big, red ball."
+        )
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_max_tokens_exact(embedded_dir, placement):
     async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
         for n in (1, 2, 17):
-            res = await client.generate(make_request("Tell me a story.", max_tokens=n, temperature=0.8,
-                                                     seed=n, ignore_eos=True))
+            res = await client.generate(
+                make_request("Tell me a story.", max_tokens=n, temperature=0.8, seed=n, ignore_eos=True)
+            )
             assert len(res.token_ids) == n and res.finish_reason == "length"
             chunks = [m async for m in client.stream(make_request("你好", max_tokens=n, ignore_eos=True))]
             final = chunks[-1].complete
@@ -85,8 +91,10 @@ async def test_streamed_text_equals_one_shot_decode(embedded_dir, placement):
     """Random sampling on a byte-level BPE model splits multi-byte characters across tokens."""
     tok = Tokenizer.from_folder(embedded_dir)
     async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
-        reqs = [make_request(p, max_tokens=40, temperature=1.0, seed=s, ignore_eos=True)
-                for s, p in enumerate(["写一个关于猫的故事 🐱", "Emoji: 😀🎉", "混合 mixed text"] * 3)]
+        reqs = [
+            make_request(p, max_tokens=40, temperature=1.0, seed=s, ignore_eos=True)
+            for s, p in enumerate(["写一个关于猫的故事 🐱", "Emoji: 😀🎉", "混合 mixed text"] * 3)
+        ]
         results = await asyncio.gather(*[client.generate(r) for r in reqs])
         split_chars = 0
         for res in results:
@@ -101,10 +109,15 @@ async def test_seeded_sampling_same_everywhere(embedded_dir):
     for placement in PLACEMENTS:
         async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
             alone = await client.generate(make_request(**req))
-            crowd = await asyncio.gather(client.generate(make_request(**req)),
-                                         *[client.generate(make_request(f"other prompt {i} " * (i + 1),
-                                                                        max_tokens=15, temperature=1.0, seed=i))
-                                           for i in range(5)])
+            crowd = await asyncio.gather(
+                client.generate(make_request(**req)),
+                *[
+                    client.generate(
+                        make_request(f"other prompt {i} " * (i + 1), max_tokens=15, temperature=1.0, seed=i)
+                    )
+                    for i in range(5)
+                ],
+            )
             outs += [alone.token_ids, crowd[0].token_ids]
     assert all(o == outs[0] for o in outs), outs
     async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
@@ -115,8 +128,7 @@ async def test_seeded_sampling_same_everywhere(embedded_dir):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_stop_string_truncates(stories_dir, placement):
     async with local_pipeline(stories_dir, placement) as pipe, Client(pipe.address) as client:
-        res = await client.generate(make_request("Once upon a time", max_tokens=40, temperature=0,
-                                                 stop=["Lily."]))
+        res = await client.generate(make_request("Once upon a time", max_tokens=40, temperature=0, stop=["Lily."]))
         assert res.finish_reason == "stop"
         assert res.text == ", there was a little girl named "
         assert len(res.token_ids) < 40
@@ -131,8 +143,9 @@ async def test_smollm2_chat_prompts_match_transformers(smollm2_dir, placement):
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "你好，请介绍一下你自己。"]
     ids = [smollm2_chat_ids(smollm2_dir, q) for q in questions]
     async with local_pipeline(smollm2_dir, placement, num_kv_blocks=256) as pipe, Client(pipe.address) as client:
-        results = await asyncio.gather(*[
-            client.generate(make_request("", prompt_token_ids=i, max_tokens=20, temperature=0)) for i in ids])
+        results = await asyncio.gather(
+            *[client.generate(make_request("", prompt_token_ids=i, max_tokens=20, temperature=0)) for i in ids]
+        )
         for prompt_ids, res in zip(ids, results):
             assert not res.error
             assert res.token_ids == hf_greedy(smollm2_dir, prompt_ids, 20)
@@ -150,11 +163,14 @@ async def test_chunked_prefill_and_prefix_reuse_match_transformers(embedded_dir,
 
     tok = Tokenizer.from_folder(embedded_dir)
     ids = [tok.encode(p) for p in mixed_prompts()]
-    async with local_pipeline(embedded_dir, placement, max_num_batched_tokens=budget) as pipe, \
-            Client(pipe.address) as client:
+    async with (
+        local_pipeline(embedded_dir, placement, max_num_batched_tokens=budget) as pipe,
+        Client(pipe.address) as client,
+    ):
         for _ in range(2):
-            results = await asyncio.gather(*[
-                client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids])
+            results = await asyncio.gather(
+                *[client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids]
+            )
             for prompt_ids, res in zip(ids, results):
                 assert res.token_ids == hf_greedy(embedded_dir, prompt_ids, 24), tok.decode(prompt_ids)
         assert await pipe.wait_idle() == 0

@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint, pack_kv
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.router.client import Client, make_request
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration._pipeline import local_pipeline
 
 BAD_REQUESTS = [
@@ -86,29 +86,57 @@ async def test_health_and_reflection_on_every_server(embedded_dir):
     """Reflection v1 (what grpcurl asks first) and v1alpha list exactly what each server serves."""
     from google.protobuf import descriptor_pb2
 
-    common = {"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-              "grpc.reflection.v1alpha.ServerReflection"}
-    expected = [{"pdserve.v1.GenerateService"}, {"pdserve.v1.PrefillService", "pdserve.v1.WorkerService"},
-                {"pdserve.v1.DecodeService", "pdserve.v1.ColocatedService", "pdserve.v1.WorkerService"}]
+    common = {
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    expected = [
+        {"pdserve.v1.GenerateService"},
+        {"pdserve.v1.PrefillService", "pdserve.v1.WorkerService"},
+        {"pdserve.v1.DecodeService", "pdserve.v1.ColocatedService", "pdserve.v1.WorkerService"},
+    ]
     async with local_pipeline(embedded_dir, "split") as pipe:
         for address, services in zip([pipe.address] + [w.address for w in pipe.workers], expected):
             async with grpc.aio.insecure_channel(address) as ch:
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
-                v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-                                      request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                                      response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+                v1 = ch.stream_stream(
+                    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+                )
                 v1alpha = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo
                 for call in (v1, v1alpha):
-                    replies = [r async for r in call(iter([
-                        reflection_pb2.ServerReflectionRequest(list_services=""),
-                        reflection_pb2.ServerReflectionRequest(file_containing_symbol=sorted(services)[0])]))]
+                    replies = [
+                        r
+                        async for r in call(
+                            iter(
+                                [
+                                    reflection_pb2.ServerReflectionRequest(list_services=""),
+                                    reflection_pb2.ServerReflectionRequest(file_containing_symbol=sorted(services)[0]),
+                                ]
+                            )
+                        )
+                    ]
                     assert {s.name for s in replies[0].list_services_response.service} == services | common
-                    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
-                             for b in replies[1].file_descriptor_response.file_descriptor_proto]
+                    files = [
+                        descriptor_pb2.FileDescriptorProto.FromString(b)
+                        for b in replies[1].file_descriptor_response.file_descriptor_proto
+                    ]
                     assert files[0].package == "pdserve.v1" and files[0].name.startswith("pdserve/v1/")
-                described = [r async for r in v1(iter([reflection_pb2.ServerReflectionRequest(
-                    file_containing_symbol="grpc.reflection.v1.ServerReflection")]))]
+                described = [
+                    r
+                    async for r in v1(
+                        iter(
+                            [
+                                reflection_pb2.ServerReflectionRequest(
+                                    file_containing_symbol="grpc.reflection.v1.ServerReflection"
+                                )
+                            ]
+                        )
+                    )
+                ]
                 assert described[0].file_descriptor_response.file_descriptor_proto
 
 
@@ -119,9 +147,16 @@ def _payload(engine_fp: ModelFingerprint, request_id: str, **fp_changes) -> byte
 
     fp = dataclasses.replace(engine_fp, **fp_changes)
     kv = torch.zeros(fp.num_layers, 2, 3, fp.num_kv_heads, fp.head_dim, dtype=getattr(torch, fp.dtype))
-    return pack_kv(KvPayload(request_id, fp, [1, 2, 3], 4,
-                             {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "max_tokens": 4,
-                              "ignore_eos": True}, kv))
+    return pack_kv(
+        KvPayload(
+            request_id,
+            fp,
+            [1, 2, 3],
+            4,
+            {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "max_tokens": 4, "ignore_eos": True},
+            kv,
+        )
+    )
 
 
 async def test_decode_refuses_bad_kv_and_times_out(embedded_dir):
@@ -215,8 +250,10 @@ async def test_unexpected_admission_failure_ends_the_request_at_once(embedded_di
 
 async def test_context_window_is_capped_by_the_kv_cache(embedded_dir):
     """The router advertises and enforces what a worker's KV cache can hold, not only the model's."""
-    async with local_pipeline(embedded_dir, "split", num_kv_blocks=20, block_size=16) as pipe, \
-            Client(pipe.address) as client:
+    async with (
+        local_pipeline(embedded_dir, "split", num_kv_blocks=20, block_size=16) as pipe,
+        Client(pipe.address) as client,
+    ):
         assert (await client.model_info()).max_model_len == 320
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await client.generate(make_request("", prompt_token_ids=[5] * 300, max_tokens=30))
@@ -228,21 +265,20 @@ async def test_context_window_is_capped_by_the_kv_cache(embedded_dir):
 
 async def test_router_health_says_not_serving_while_a_pool_has_no_worker(embedded_dir):
     """Readiness tells the truth: a split router with no live prefill worker is NOT_SERVING."""
-    async with local_pipeline(embedded_dir, "split") as pipe:
-        async with grpc.aio.insecure_channel(pipe.address) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
+    async with local_pipeline(embedded_dir, "split") as pipe, grpc.aio.insecure_channel(pipe.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
 
-            async def status(service: str) -> int:
-                return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+        async def status(service: str) -> int:
+            return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
 
-            assert await status("") == await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.SERVING
-            await pipe.workers[0].stop()  # the prefill worker
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 5.0
-            while await status("") == health_pb2.HealthCheckResponse.SERVING and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await status("") == await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.SERVING
+        await pipe.workers[0].stop()  # the prefill worker
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while await status("") == health_pb2.HealthCheckResponse.SERVING and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await status("pdserve.v1.GenerateService") == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.mark.parametrize("placement", ["split", "colocated"])
@@ -294,8 +330,9 @@ async def test_same_shapes_other_weights_are_refused_at_start_and_per_payload(em
             stream = stub.Decode(worker_pb2.DecodeRequest(request_id="w1", kv_timeout_s=10))
             await stream.initial_metadata()
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.PushKv(iter([worker_pb2.KvChunk(request_id="w1",
-                                                           data=_payload(p.worker.engine.fingerprint, "w1"))]))
+                await stub.PushKv(
+                    iter([worker_pb2.KvChunk(request_id="w1", data=_payload(p.worker.engine.fingerprint, "w1"))])
+                )
             assert "weights_hash" in info.value.details()
             stream.cancel()
     finally:

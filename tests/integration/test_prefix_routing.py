@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from pdserve.rpc.auth import internal_channel
 from pdserve.router.client import Client, make_request
+from pdserve.rpc.auth import internal_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import hf_greedy
 from tests.integration._pipeline import local_pipeline

@@ -21,8 +21,11 @@ def split_cluster(request):
     from tests.conftest import STORIES
 
     model = STORIES if (STORIES / "model.safetensors").is_file() else "embedded"
-    cluster = start_cluster(ClusterConfig(engine=EngineConfig(model=str(model), dtype="float32", num_kv_blocks=512),
-                                          placement="split", router_port=0))
+    cluster = start_cluster(
+        ClusterConfig(
+            engine=EngineConfig(model=str(model), dtype="float32", num_kv_blocks=512), placement="split", router_port=0
+        )
+    )
     yield cluster
     cluster.stop()
     assert not ray.is_initialized()
@@ -61,8 +64,9 @@ def test_split_cluster_on_ray(split_cluster):
             assert info.placement == "split" and info.model in ("embedded", "stories260K-hf")  # no path
             model_dir = info.model_path
             prompts = mixed_prompts()
-            results = await asyncio.gather(*[client.generate(make_request(p, max_tokens=16, temperature=0))
-                                             for p in prompts])
+            results = await asyncio.gather(
+                *[client.generate(make_request(p, max_tokens=16, temperature=0)) for p in prompts]
+            )
             from pdserve.engine.text.tokenizer import Tokenizer
 
             tok = Tokenizer.from_folder(model_dir)
@@ -141,8 +145,9 @@ def test_killed_workers_come_back_without_a_router_restart(split_cluster):
             # a new prompt, longer than --local-prefill-tokens and with no cached prefix: the prefill
             # worker must serve it, not the decode worker (conditional disaggregation)
             calls.append(len(calls))
-            res = await client.generate(make_request(f"{len(calls)} Once upon a time " * 12, max_tokens=4,
-                                                     temperature=0), timeout=10)
+            res = await client.generate(
+                make_request(f"{len(calls)} Once upon a time " * 12, max_tokens=4, temperature=0), timeout=10
+            )
         except grpc.aio.AioRpcError:
             return False
         return not res.error and len(res.token_ids) == 4

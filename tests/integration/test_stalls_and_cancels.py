@@ -11,9 +11,8 @@ import grpc
 import pytest
 
 import pdserve.router.frontend as router_core
-from pdserve.router.validation import validate
-
 from pdserve.router.client import Client, make_request
+from pdserve.router.validation import validate
 from tests.integration._pipeline import local_pipeline
 
 
@@ -43,8 +42,9 @@ async def test_a_stream_without_tokens_past_the_bound_is_logged_counted_and_reco
 
         engine.step = slow_step
         caplog.set_level(logging.WARNING, logger="pdserve.router.frontend")
-        task = asyncio.create_task(client.generate(make_request("tell me", max_tokens=40, ignore_eos=True,
-                                                                request_id="slow-one")))
+        task = asyncio.create_task(
+            client.generate(make_request("tell me", max_tokens=40, ignore_eos=True, request_id="slow-one"))
+        )
         seen_gauge = 0.0
         while not task.done():
             seen_gauge = max(seen_gauge, sample(core, "pdserve:streams_stalled"))
@@ -77,8 +77,9 @@ async def test_every_client_cancel_is_counted_as_an_abort(embedded_dir, monkeypa
 
         async def cancel_after(i: int, tokens: int) -> None:
             rid = f"cancelled-{i}"
-            call = client.stub.Generate(make_request("a long story " * 20, max_tokens=400, ignore_eos=True,
-                                                     request_id=rid))
+            call = client.stub.Generate(
+                make_request("a long story " * 20, max_tokens=400, ignore_eos=True, request_id=rid)
+            )
             seen = 0
             if tokens < 0:  # while the router validates and tokenizes it, before it is in flight
                 call = client.stub.Generate(make_request("slow to tokenize", max_tokens=4))
@@ -97,8 +98,10 @@ async def test_every_client_cancel_is_counted_as_an_abort(embedded_dir, monkeypa
                     call.cancel()
                     return
 
-        await asyncio.gather(*(cancel_after(i, n) for i, n in enumerate((-1, 0, 0, 0, 1, 1, 1, 1, 20, 20, 20, 20))),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(cancel_after(i, n) for i, n in enumerate((-1, 0, 0, 0, 1, 1, 1, 1, 20, 20, 20, 20))),
+            return_exceptions=True,
+        )
         deadline = time.monotonic() + 10
         while sample(core, "pdserve:requests_total", {"finish_reason": "abort"}) < before + 12:
             assert time.monotonic() < deadline, sample(core, "pdserve:requests_total", {"finish_reason": "abort"})

@@ -17,12 +17,14 @@ def _histogram_sum(histogram) -> float:
 
 @pytest.mark.parametrize("placement,local_prefill_tokens", [("split", 0), ("split", 64), ("colocated", 0)])
 async def test_a_stop_string_ending_early_keeps_the_timings(embedded_dir, placement, local_prefill_tokens):
-    async with local_pipeline(embedded_dir, placement, local_prefill_tokens=local_prefill_tokens) as pipe, \
-            Client(pipe.address) as client:
+    async with (
+        local_pipeline(embedded_dir, placement, local_prefill_tokens=local_prefill_tokens) as pipe,
+        Client(pipe.address) as client,
+    ):
         full = await client.generate(make_request(PROMPT, max_tokens=24, temperature=0, ignore_eos=True))
         assert full.finish_reason == "length" and len(full.token_ids) == 24
         # a stop string a few tokens into the answer: the router ends the request long before the worker would
-        stop = full.text[len(full.text) // 3:][:4]
+        stop = full.text[len(full.text) // 3 :][:4]
         assert stop.strip() and full.text.index(stop) < len(full.text) // 2
         metrics = pipe.router.core.metrics
         prefill_before, decode_before = _histogram_sum(metrics.prefill), _histogram_sum(metrics.decode)

@@ -68,14 +68,33 @@ def _serve(nodes, model: str, secret: str):
     return ServeOnTwoNodes(nodes, ["--model", model, "--dtype", "float32", "--port", "0", "--http-port", "0"], env)
 
 
-def _client(nodes, ns: str, router: str, secret: str, stats: list[str], call_timeout_s: float,
-            until_ok_s: float = 0.0) -> dict:
+def _client(
+    nodes, ns: str, router: str, secret: str, stats: list[str], call_timeout_s: float, until_ok_s: float = 0.0
+) -> dict:
     """Run _two_nodes_client.py inside ``ns``; its JSON result. Seconds: per request, and to keep retrying."""
     env = nodes.env(PDSERVE_CLUSTER_SECRET=secret)
-    res = nodes.run(ns, [sys.executable, str(CLIENT), router, "--prompts", json.dumps(PROMPTS),
-                         "--max-tokens", str(MAX_TOKENS), "--call-timeout", str(call_timeout_s),
-                         "--until-ok", str(until_ok_s), "--stats", *stats],
-                    timeout_s=CLIENT_TIMEOUT_S, env=env, capture_output=True, text=True)
+    res = nodes.run(
+        ns,
+        [
+            sys.executable,
+            str(CLIENT),
+            router,
+            "--prompts",
+            json.dumps(PROMPTS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--call-timeout",
+            str(call_timeout_s),
+            "--until-ok",
+            str(until_ok_s),
+            "--stats",
+            *stats,
+        ],
+        timeout_s=CLIENT_TIMEOUT_S,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -103,8 +122,15 @@ def test_prefill_and_decode_on_two_ray_nodes(nodes, embedded_dir):
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         killed_at = time.time()  # the client's clock: the same machine's
-        out = _client(nodes, nodes.worker_ns, router, secret, stats=[workers["prefill"]],
-                      call_timeout_s=10.0, until_ok_s=RECOVERY_S)
+        out = _client(
+            nodes,
+            nodes.worker_ns,
+            router,
+            secret,
+            stats=[workers["prefill"]],
+            call_timeout_s=10.0,
+            until_ok_s=RECOVERY_S,
+        )
         assert out["tokens"] == expected, f"not serving again after {RECOVERY_S:.0f}s: {out}\n{serve.log_tail()}"
         assert out["ok_at"] - killed_at < RECOVERY_S, out
         assert out["stats"][workers["prefill"]] == ["UNAUTHENTICATED", "OK"]
@@ -144,14 +170,36 @@ def test_link_shapes_and_the_loss_filter():
 def test_link_chaos_checks_flag_hangs_late_ends_errors_and_leaks():
     from pdserve.soak.link_chaos import problems, table_lines
 
-    ok = {"fault": "cut-35s (...)", "name": "cut-35s", "requests": 2, "bound_s": 95.0, "how": "htb+bpf",
-          "completed": 1, "hung": 0, "errors": {"UNAVAILABLE": 1}, "migrated": 1, "max_end_s": 40.0,
-          "leaked": {"prefill@a": 0, "decode@b": 0}, "messages": ["UNAVAILABLE: the KV cache did not reach ..."],
-          "short": 0, "mismatches": 0, "router_node": "head (prefill)", "cut_at_s": 0.4, "in_flight_at_cut": 1}
+    ok = {
+        "fault": "cut-35s (...)",
+        "name": "cut-35s",
+        "requests": 2,
+        "bound_s": 95.0,
+        "how": "htb+bpf",
+        "completed": 1,
+        "hung": 0,
+        "errors": {"UNAVAILABLE": 1},
+        "migrated": 1,
+        "max_end_s": 40.0,
+        "leaked": {"prefill@a": 0, "decode@b": 0},
+        "messages": ["UNAVAILABLE: the KV cache did not reach ..."],
+        "short": 0,
+        "mismatches": 0,
+        "router_node": "head (prefill)",
+        "cut_at_s": 0.4,
+        "in_flight_at_cut": 1,
+    }
     assert problems([ok]) == []
     assert "| 1 (UNAVAILABLE 1) |" in table_lines([ok])[2]
-    bad = [dict(ok, hung=1), dict(ok, max_end_s=96.0), dict(ok, name="cut-5s"), dict(ok, messages=["UNKNOWN: "]),
-           dict(ok, mismatches=1), dict(ok, leaked={"prefill@a": 0, "decode@b": 3}), dict(ok, leaked={"decode@b": -1})]
+    bad = [
+        dict(ok, hung=1),
+        dict(ok, max_end_s=96.0),
+        dict(ok, name="cut-5s"),
+        dict(ok, messages=["UNKNOWN: "]),
+        dict(ok, mismatches=1),
+        dict(ok, leaked={"prefill@a": 0, "decode@b": 3}),
+        dict(ok, leaked={"decode@b": -1}),
+    ]
     assert [len(problems([row])) for row in bad] == [1] * len(bad)
     assert problems([{"fault": "delay", "name": "delay", "skipped": "no netem"}]) == []
 
@@ -187,13 +235,18 @@ def test_a_call_on_a_connection_dropped_during_a_cut_ends(nodes):
     from pdserve.soak.link_faults import set_link
 
     address = f"{nodes.worker_ip}:{PROBE_PORT}"
-    server = nodes.popen(nodes.worker_ns, [sys.executable, str(PROBE), "serve", address],
-                         stdout=subprocess.PIPE, text=True)
+    server = nodes.popen(
+        nodes.worker_ns, [sys.executable, str(PROBE), "serve", address], stdout=subprocess.PIPE, text=True
+    )
     client = None
     try:
         assert server.stdout.readline().strip() == "serving"
-        client = nodes.popen(nodes.head_ns, [sys.executable, str(PROBE), "call", address, "--timeout", "90"],
-                             stdout=subprocess.PIPE, text=True)
+        client = nodes.popen(
+            nodes.head_ns,
+            [sys.executable, str(PROBE), "call", address, "--timeout", "90"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert client.stdout.readline().strip() == "first"
         set_link(nodes, False)
         cut_at = time.monotonic()

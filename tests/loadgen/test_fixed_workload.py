@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.loadgen.args import build_specs
 from pdserve.cli.bench import add_bench_parser, tokenizer_folder
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.args import build_specs
 from pdserve.loadgen.prompts import PromptPool, RandomPromptPool, make_prompt_pool
 from pdserve.loadgen.workload import fix_lengths, poisson_arrivals
-from pdserve.engine.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
 
 # --- fix_lengths ----------------------------------------------------------------------------------
+
 
 def test_fix_lengths_replaces_both_sides_exactly():
     assert fix_lengths([(10, 3), (5000, 7)], 4096, 256, 64) == [(256, 64), (256, 64)]
@@ -54,14 +55,15 @@ def test_fix_lengths_rejects_non_positive():
 
 # --- RandomPromptPool -----------------------------------------------------------------------------
 
+
 def test_random_pool_exact_length_bos_and_no_special_ids(tokenizer):
     pool = RandomPromptPool(tokenizer, seed=0)
     specials = set(tokenizer.special_token_ids) | set(tokenizer.eos_token_ids) | {tokenizer.bos_token_id}
     for n in (1, 2, 17, 256):
         ids, source = pool.make(n, random.Random(n))
         assert len(ids) == n and source == "random"
-        assert ids[:len(pool.prefix)] == pool.prefix[:n]
-        assert not set(ids[len(pool.prefix):]) & specials
+        assert ids[: len(pool.prefix)] == pool.prefix[:n]
+        assert not set(ids[len(pool.prefix) :]) & specials
         assert all(0 <= i < tokenizer.vocab_size for i in ids)
     assert pool.prefix == (tokenizer.bos_token_id,)  # the embedded tokenizer adds BOS
 
@@ -95,8 +97,22 @@ def test_make_prompt_pool_real_sets(tokenizer):
 
 # --- build_specs ----------------------------------------------------------------------------------
 
-FIXED = ("--arrival", "poisson", "--rate", "2", "--num-requests", "12", "--input-len", "256",
-         "--output-len", "64", "--prompts", "random", "--seed", "5")
+FIXED = (
+    "--arrival",
+    "poisson",
+    "--rate",
+    "2",
+    "--num-requests",
+    "12",
+    "--input-len",
+    "256",
+    "--output-len",
+    "64",
+    "--prompts",
+    "random",
+    "--seed",
+    "5",
+)
 
 
 def test_build_specs_fixed_random_needs_no_dataset(tokenizer, tmp_path):
@@ -111,8 +127,17 @@ def test_build_specs_fixed_random_needs_no_dataset(tokenizer, tmp_path):
 
 
 def test_build_specs_fixed_lengths_ignore_scale_and_caps(tokenizer, tmp_path):
-    args = _bench_args(*FIXED, "--length-scale", "0.1", "--max-input-tokens", "8", "--max-output-tokens", "4",
-                       "--datasets-dir", str(tmp_path))
+    args = _bench_args(
+        *FIXED,
+        "--length-scale",
+        "0.1",
+        "--max-input-tokens",
+        "8",
+        "--max-output-tokens",
+        "4",
+        "--datasets-dir",
+        str(tmp_path),
+    )
     assert {(len(s.prompt_token_ids), s.max_tokens) for s in build_specs(args, tokenizer, 4096, 2.0)} == {(256, 64)}
 
 
@@ -137,8 +162,20 @@ def test_build_specs_fixed_lengths_must_fit(tokenizer, tmp_path):
 
 
 def test_build_specs_one_fixed_side_reads_the_trace(tokenizer, tmp_path):
-    args = _bench_args("--arrival", "poisson", "--rate", "2", "--num-requests", "4", "--output-len", "64",
-                       "--prompts", "random", "--datasets-dir", str(tmp_path))
+    args = _bench_args(
+        "--arrival",
+        "poisson",
+        "--rate",
+        "2",
+        "--num-requests",
+        "4",
+        "--output-len",
+        "64",
+        "--prompts",
+        "random",
+        "--datasets-dir",
+        str(tmp_path),
+    )
     with pytest.raises(FileNotFoundError, match="--datasets-dir"):
         build_specs(args, tokenizer, 4096, 2.0)
 
@@ -162,6 +199,7 @@ def test_parser_rejects_non_positive_lengths(flag, capsys):
 
 # --- the tokenizer of the served model --------------------------------------------------------------
 
+
 def test_the_tokenizer_folder_comes_from_the_served_id_or_a_folder(embedded_dir):
     assert Path(tokenizer_folder("embedded")) == embedded_dir  # pdserve serve --model embedded
     assert tokenizer_folder(str(embedded_dir)) == str(embedded_dir)  # a vLLM-style root path
@@ -172,6 +210,7 @@ def test_the_tokenizer_folder_comes_from_the_served_id_or_a_folder(embedded_dir)
 
 def test_missing_datasets_folder_names_every_place_searched(tmp_path, monkeypatch):
     from pdserve.loadgen import workload
+
     monkeypatch.delenv(workload.DATASETS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(workload, "__file__", str(tmp_path / "a" / "b" / "c" / "workload.py"))

@@ -15,9 +15,18 @@ from pdserve.loadgen.metrics import SLO, RequestRecord, percentile, run_duration
 
 
 def rec(tokens, sent=0.0, *, finish="stop", error="", prompt=10, index=0, **kw) -> RequestRecord:
-    return RequestRecord(index=index, request_id=f"r{index}", scheduled_s=sent, sent_s=sent,
-                         prompt_tokens=prompt, max_tokens=max(len(tokens), 1), token_times_s=list(tokens),
-                         finish_reason=finish, error=error, **kw)
+    return RequestRecord(
+        index=index,
+        request_id=f"r{index}",
+        scheduled_s=sent,
+        sent_s=sent,
+        prompt_tokens=prompt,
+        max_tokens=max(len(tokens), 1),
+        token_times_s=list(tokens),
+        finish_reason=finish,
+        error=error,
+        **kw,
+    )
 
 
 def test_basic_latencies_exclude_first_token_from_tpot():
@@ -31,8 +40,16 @@ def test_basic_latencies_exclude_first_token_from_tpot():
 
 
 def test_latencies_are_relative_to_sent_not_scheduled():
-    r = RequestRecord(0, "a", scheduled_s=1.0, sent_s=1.25, prompt_tokens=3, max_tokens=2,
-                      token_times_s=[2.0, 2.5], finish_reason="length")
+    r = RequestRecord(
+        0,
+        "a",
+        scheduled_s=1.0,
+        sent_s=1.25,
+        prompt_tokens=3,
+        max_tokens=2,
+        token_times_s=[2.0, 2.5],
+        finish_reason="length",
+    )
     assert r.ttft_s == pytest.approx(0.75)
     assert r.e2e_s == pytest.approx(1.25)
     assert r.tpot_s == pytest.approx(0.5)
@@ -65,10 +82,17 @@ def test_tokens_sharing_an_arrival_time_give_zero_gaps():
     assert r.tpot_s == pytest.approx(0.3 / 4)
 
 
-@pytest.mark.parametrize("finish,error,ok", [
-    ("stop", "", True), ("length", "", True), ("abort", "", False), ("error", "", False),
-    ("", "", False), ("stop", "connection reset", False),
-])
+@pytest.mark.parametrize(
+    "finish,error,ok",
+    [
+        ("stop", "", True),
+        ("length", "", True),
+        ("abort", "", False),
+        ("error", "", False),
+        ("", "", False),
+        ("stop", "connection reset", False),
+    ],
+)
 def test_ok_definition(finish, error, ok):
     assert rec([0.1, 0.2], finish=finish, error=error).ok is ok
 
@@ -123,14 +147,14 @@ def test_failed_requests_excluded_from_latency_but_counted_as_slo_misses():
 def test_goodput_requires_both_slos():
     slo = SLO(ttft_s=0.5, tpot_s=0.1)
     records = [
-        rec([0.2, 0.25, 0.3], index=0),          # meets both
-        rec([0.4, 0.45], index=1),               # meets both
-        rec([0.3], index=2),                     # meets both (single token)
-        rec([0.9, 0.95, 1.0], index=3),          # misses TTFT only
-        rec([0.6], index=4),                     # misses TTFT only (single token)
-        rec([0.1, 0.4, 0.7], index=5),           # misses TPOT only
-        rec([0.2, 0.2, 0.9], index=6),           # misses TPOT only (tpot .35)
-        rec([1.0, 1.5, 2.0], index=7),           # misses both
+        rec([0.2, 0.25, 0.3], index=0),  # meets both
+        rec([0.4, 0.45], index=1),  # meets both
+        rec([0.3], index=2),  # meets both (single token)
+        rec([0.9, 0.95, 1.0], index=3),  # misses TTFT only
+        rec([0.6], index=4),  # misses TTFT only (single token)
+        rec([0.1, 0.4, 0.7], index=5),  # misses TPOT only
+        rec([0.2, 0.2, 0.9], index=6),  # misses TPOT only (tpot .35)
+        rec([1.0, 1.5, 2.0], index=7),  # misses both
         rec([0.1, 0.15], index=8, finish="abort"),  # would meet both but failed
     ]
     assert [slo.met(r) for r in records] == [True, True, True] + [False] * 6
@@ -201,8 +225,21 @@ def test_to_json_round_trip_has_no_nan_tokens():
     assert back["tpot_s"] is None
     assert back["ttft_s"] == pytest.approx(0.3) and back["e2e_s"] == pytest.approx(0.3)
     assert back["itl_s"] == [] and back["output_tokens"] == 1 and back["ok"] is True
-    for key in ("index", "request_id", "scheduled_s", "sent_s", "prompt_tokens", "max_tokens", "token_times_s",
-                "finish_reason", "error", "queue_s", "prefill_s", "kv_transfer_s", "decode_s"):
+    for key in (
+        "index",
+        "request_id",
+        "scheduled_s",
+        "sent_s",
+        "prompt_tokens",
+        "max_tokens",
+        "token_times_s",
+        "finish_reason",
+        "error",
+        "queue_s",
+        "prefill_s",
+        "kv_transfer_s",
+        "decode_s",
+    ):
         assert back[key] == getattr(r, key), key
     assert RequestRecord.from_json(back) == r
 
@@ -222,20 +259,31 @@ def test_summary_json_safe():
 
 
 def test_bench_never_imports_torch_or_ray():
-    code = ("import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots; "
-            "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots; "
+        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))
 
 
 def test_prefix_cache_report_takes_deltas_per_worker():
-    from pdserve.loadgen.metrics import WorkerPrefixCounters as W, format_prefix_cache, json_safe, prefix_cache_report
+    from pdserve.loadgen.metrics import WorkerPrefixCounters as W
+    from pdserve.loadgen.metrics import format_prefix_cache, json_safe, prefix_cache_report
 
     before = [W("prefill", "a:1", 1000, 200), W("decode", "b:2", 0, 0), W("prefill", "c:3", 500, 400)]
-    after = [W("prefill", "a:1", 3000, 1200), W("decode", "b:2", 0, 0), W("prefill", "c:3", 100, 50),
-             W("prefill", "d:4", 400, 100)]  # c restarted during the run, d replaced a worker
+    after = [
+        W("prefill", "a:1", 3000, 1200),
+        W("decode", "b:2", 0, 0),
+        W("prefill", "c:3", 100, 50),
+        W("prefill", "d:4", 400, 100),
+    ]  # c restarted during the run, d replaced a worker
     report = prefix_cache_report(before, after)
-    assert [(w["address"], w["query_tokens"], w["hit_tokens"]) for w in report["workers"]] == \
-        [("a:1", 2000, 1000), ("b:2", 0, 0), ("c:3", 100, 50), ("d:4", 400, 100)]
+    assert [(w["address"], w["query_tokens"], w["hit_tokens"]) for w in report["workers"]] == [
+        ("a:1", 2000, 1000),
+        ("b:2", 0, 0),
+        ("c:3", 100, 50),
+        ("d:4", 400, 100),
+    ]
     assert [w["hit_rate"] for w in report["workers"]][::2] == [0.5, 0.5]
     assert math.isnan(report["workers"][1]["hit_rate"])  # a decode worker admits no prompt
     assert (report["query_tokens"], report["hit_tokens"], report["hit_rate"]) == (2500, 1150, 0.46)
@@ -246,7 +294,8 @@ def test_prefix_cache_report_takes_deltas_per_worker():
 
 
 def test_prefix_cache_report_without_counters_is_na():
-    from pdserve.loadgen.metrics import WorkerPrefixCounters as W, format_prefix_cache, prefix_cache_report
+    from pdserve.loadgen.metrics import WorkerPrefixCounters as W
+    from pdserve.loadgen.metrics import format_prefix_cache, prefix_cache_report
 
     assert prefix_cache_report(None, None) is None
     assert prefix_cache_report([W("colocated", "a:1", 0, 0)], None) is None

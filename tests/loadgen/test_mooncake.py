@@ -9,14 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.loadgen.args import build_specs
 from pdserve.cli.bench import add_bench_parser
+from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.args import build_specs
 from pdserve.loadgen.metrics import prefix_reuse_ceiling
 from pdserve.loadgen.mooncake import BLOCK_TOKENS, CONVERSATION_KEY_BLOCKS, spread_ties
 from pdserve.loadgen.prompts import BlockPrompts, PromptPool, RandomPromptPool, load_prompts
-from pdserve.loadgen.workload import (TRACES, TraceRow, clip_lengths, load_trace, sample_conversations, scale_to_rate,
-                                    window)
-from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.workload import (
+    TRACES,
+    TraceRow,
+    clip_lengths,
+    load_trace,
+    sample_conversations,
+    scale_to_rate,
+    window,
+)
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
 MOONCAKE = DATASETS / "mooncake_fast25_traces"
@@ -49,13 +56,16 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 # --- loader ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,count,span_s", [("mooncake-conversation", 12_031, 3_537.0),
-                                               ("mooncake-synthetic", 3_993, 1_022.025)])
+
+@pytest.mark.parametrize(
+    "name,count,span_s", [("mooncake-conversation", 12_031, 3_537.0), ("mooncake-synthetic", 3_993, 1_022.025)]
+)
 def test_load_trace_mooncake_keeps_every_field(datasets_dir, name, count, span_s):
     rows, raw = load_trace(name, datasets_dir), _raw(name)
     assert len(rows) == len(raw) == count
-    assert [(r.input_tokens, r.output_tokens, list(r.hash_ids)) for r in rows] == \
-        [(d["input_length"], d["output_length"], d["hash_ids"]) for d in raw]
+    assert [(r.input_tokens, r.output_tokens, list(r.hash_ids)) for r in rows] == [
+        (d["input_length"], d["output_length"], d["hash_ids"]) for d in raw
+    ]
     assert rows[0].t_s == 0.0 and all(b.t_s >= a.t_s for a, b in zip(rows, rows[1:]))
     ms0 = raw[0]["timestamp"]
     bucket_ends = sorted({d["timestamp"] for d in raw})
@@ -93,11 +103,20 @@ def test_load_trace_small_file(tmp_path):
     assert rows == [TraceRow(0.0, 600, 5, (1, 2)), TraceRow(1.5, 600, 5, (1, 3)), TraceRow(3.0, 10, 1, (7,))]
 
 
-@pytest.mark.parametrize("bad", [
-    "{not json", "[1, 2]", {"timestamp": 5, "input_length": 600, "hash_ids": [1, 2]},
-    _row(5, inp=-1), _row(5, out=True), _row(5, ids=(1,)), _row(5, ids=(1, "2")), _row(5, ids=(1, -2)),
-    _row(0),  # earlier than the row before
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{not json",
+        "[1, 2]",
+        {"timestamp": 5, "input_length": 600, "hash_ids": [1, 2]},
+        _row(5, inp=-1),
+        _row(5, out=True),
+        _row(5, ids=(1,)),
+        _row(5, ids=(1, "2")),
+        _row(5, ids=(1, -2)),
+        _row(0),  # earlier than the row before
+    ],
+)
 def test_load_trace_malformed_rows_give_line_number(tmp_path, bad):
     with pytest.raises(ValueError, match="t.jsonl:2:"):
         load_trace(_write(tmp_path, _row(1), bad, _row(9)))
@@ -111,6 +130,7 @@ def test_spread_ties():
 
 
 # --- BlockPrompts ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(params=["random", "text"])
 def pool(request, tokenizer):
@@ -127,13 +147,13 @@ def test_shared_hash_ids_give_shared_token_prefixes(pool):
     a, source = blocks.make([0, 14, 15, 16], 4 * 32 + p, random.Random(1))
     b, _ = blocks.make([0, 14, 28, 29], 4 * 32 + p, random.Random(2))
     assert len(a) == len(b) == 4 * 32 + p and a[:p] == pool.prefix
-    assert a[:p + 2 * 32] == b[:p + 2 * 32]  # blocks 0 and 14
-    assert a[p + 2 * 32:p + 3 * 32] != b[p + 2 * 32:p + 3 * 32]  # 15 vs 28
+    assert a[: p + 2 * 32] == b[: p + 2 * 32]  # blocks 0 and 14
+    assert a[p + 2 * 32 : p + 3 * 32] != b[p + 2 * 32 : p + 3 * 32]  # 15 vs 28
     assert source in ("random", "sharegpt", "belle-zh")
     again = BlockPrompts(pool, block_tokens=32, seed=4).make([0, 14, 15, 16], 4 * 32 + p, random.Random(9))[0]
     assert again == a  # blocks depend on (seed, hash id) only
     other = BlockPrompts(pool, block_tokens=32, seed=5).make([0, 14, 15, 16], 4 * 32 + p, random.Random(1))[0]
-    assert other[p:p + 32] != a[p:p + 32]
+    assert other[p : p + 32] != a[p : p + 32]
 
 
 def test_block_prompts_cut_and_fill(pool):
@@ -141,9 +161,9 @@ def test_block_prompts_cut_and_fill(pool):
     p = len(pool.prefix)
     full = blocks.make([3, 4], 2 * 16 + p, random.Random(0))[0]
     cut = blocks.make([3, 4], 16 + p + 5, random.Random(0))[0]  # the last block cut to 5 tokens
-    assert cut == full[:16 + p + 5]
+    assert cut == full[: 16 + p + 5]
     filled = blocks.make([3, 4], 2 * 16 + p + 20, random.Random(0))[0]  # 20 tokens past the blocks
-    assert len(filled) == 2 * 16 + p + 20 and filled[:2 * 16 + p] == full
+    assert len(filled) == 2 * 16 + p + 20 and filled[: 2 * 16 + p] == full
     assert blocks.make([3], 1, random.Random(0))[0] == full[:1]
     assert len(blocks.make([], 7, random.Random(0))[0]) == 7
     with pytest.raises(ValueError):
@@ -163,6 +183,7 @@ def test_real_rows_sharing_fourteen_blocks(conversation, tokenizer):
 
 # --- build_specs ----------------------------------------------------------------------------------
 
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
@@ -170,13 +191,15 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_build_specs_mooncake_shares_prefixes_as_the_trace_does(conversation, tokenizer):
-    args = _args("--trace", "mooncake-conversation", "--length-scale", "0.0625", "--num-requests", "150",
-                 "--prompts", "random")
+    args = _args(
+        "--trace", "mooncake-conversation", "--length-scale", "0.0625", "--num-requests", "150", "--prompts", "random"
+    )
     specs = build_specs(args, tokenizer, 2048, None)
     rows = conversation[:150]
     assert [s.send_at_s for s in specs] == [r.t_s for r in rows]
-    assert [(len(s.prompt_token_ids), s.max_tokens) for s in specs] == \
-        [clip_lengths(r.input_tokens, r.output_tokens, 2048, 0.0625) for r in rows]
+    assert [(len(s.prompt_token_ids), s.max_tokens) for s in specs] == [
+        clip_lengths(r.input_tokens, r.output_tokens, 2048, 0.0625) for r in rows
+    ]
     block = round(BLOCK_TOKENS * 0.0625)
     shared_pairs = 0
     for i in range(len(rows)):
@@ -194,8 +217,22 @@ def test_build_specs_mooncake_shares_prefixes_as_the_trace_does(conversation, to
 
 
 def test_build_specs_mooncake_with_synthetic_arrivals_keeps_the_blocks(conversation, tokenizer):
-    args = _args("--trace", "mooncake-conversation", "--arrival", "poisson", "--rate", "4", "--num-requests", "40",
-                 "--length-scale", "0.0625", "--prompts", "random", "--input-len", "700")
+    args = _args(
+        "--trace",
+        "mooncake-conversation",
+        "--arrival",
+        "poisson",
+        "--rate",
+        "4",
+        "--num-requests",
+        "40",
+        "--length-scale",
+        "0.0625",
+        "--prompts",
+        "random",
+        "--input-len",
+        "700",
+    )
     specs = build_specs(args, tokenizer, 2048, 4.0)
     blocks = BlockPrompts(RandomPromptPool(tokenizer, 0), 32, seed=0)
     first = blocks.block(0)[0]  # every conversation row starts with hash id 0
@@ -204,6 +241,7 @@ def test_build_specs_mooncake_with_synthetic_arrivals_keeps_the_blocks(conversat
 
 
 # --- conversation sampling and the reuse ceiling --------------------------------------------------
+
 
 def test_conversation_sample_keeps_whole_conversations(conversation):
     kept = sample_conversations(conversation, 1 / 16, seed=0)
@@ -220,13 +258,25 @@ def test_conversation_sample_keeps_whole_conversations(conversation):
 def test_conversation_sample_raises_the_reuse_of_a_short_run(conversation, tokenizer):
     """The first 200 requests of the hour are mostly first turns; 200 requests of a 1/16 sample of
     conversations reuse about as much as the whole hour (37% of its blocks)."""
+
     def ceiling(rows):
         return prefix_reuse_ceiling([sum(([h] * 16 for h in r.hash_ids), []) for r in rows])
+
     first = ceiling(conversation[:200])
     sampled = ceiling(sample_conversations(conversation, 1 / 16)[:200])
     assert first < 0.1 < 0.25 < sampled
-    args = _args("--trace", "mooncake-conversation", "--conversation-sample", "0.0625", "--num-requests", "200",
-                 "--length-scale", "0.03125", "--prompts", "random")
+    args = _args(
+        "--trace",
+        "mooncake-conversation",
+        "--conversation-sample",
+        "0.0625",
+        "--num-requests",
+        "200",
+        "--length-scale",
+        "0.03125",
+        "--prompts",
+        "random",
+    )
     specs = build_specs(args, tokenizer, 2048, 1.5)
     assert abs(prefix_reuse_ceiling([s.prompt_token_ids for s in specs]) - sampled) < 0.05  # same reuse in tokens
 

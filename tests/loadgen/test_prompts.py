@@ -10,21 +10,31 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.loadgen.prompts import PROMPT_SETS, PromptPool, load_prompts
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.loadgen.prompts import PROMPT_SETS, PromptPool, load_prompts
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
 CJK = re.compile(r"[\u4e00-\u9fff]")
-SIZES = {"sharegpt": 500, "arena-hard": 1250, "mt-bench": 80, "vicuna": 80, "belle-zh": 1000,
-         "mt-bench-zh": 80, "arena-hard-zh": 79, "humaneval": 164}
-FIRST = {"sharegpt": "How to stop automatic updates from the WSUS Server to a target machine",
-         "arena-hard": "Use ABC notation to write a melody in the style of a folk tune.",
-         "mt-bench": "Compose an engaging travel blog post about a recent trip to Hawaii",
-         "vicuna": "How can I improve my time management skills?",
-         "belle-zh": "请你写出一个可以生成五个不同随机数的 Python 程序。",
-         "mt-bench-zh": "编写一篇关于最近去夏威夷旅行的吸引人的旅游博客文章",
-         "arena-hard-zh": "uint8_t select_action(uint8_t state) {",
-         "humaneval": "from typing import List\n\n\ndef has_close_elements("}
+SIZES = {
+    "sharegpt": 500,
+    "arena-hard": 1250,
+    "mt-bench": 80,
+    "vicuna": 80,
+    "belle-zh": 1000,
+    "mt-bench-zh": 80,
+    "arena-hard-zh": 79,
+    "humaneval": 164,
+}
+FIRST = {
+    "sharegpt": "How to stop automatic updates from the WSUS Server to a target machine",
+    "arena-hard": "Use ABC notation to write a melody in the style of a folk tune.",
+    "mt-bench": "Compose an engaging travel blog post about a recent trip to Hawaii",
+    "vicuna": "How can I improve my time management skills?",
+    "belle-zh": "请你写出一个可以生成五个不同随机数的 Python 程序。",
+    "mt-bench-zh": "编写一篇关于最近去夏威夷旅行的吸引人的旅游博客文章",
+    "arena-hard-zh": "uint8_t select_action(uint8_t state) {",
+    "humaneval": "from typing import List\n\n\ndef has_close_elements(",
+}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +147,7 @@ def test_make_builds_prefix_prompt_separator_prompt(english, tok):
     ids, _ = pool.make(100, random.Random(0))
     assert list(ids) == (full + (sep + plain) * 20)[:100]
     decoded = tok.decode(ids)
-    assert decoded.startswith(text) and decoded[len(text):].lstrip(" ").startswith("\n\n")
+    assert decoded.startswith(text) and decoded[len(text) :].lstrip(" ").startswith("\n\n")
 
 
 def test_make_without_bos(english, embedded_dir, tmp_path):
@@ -173,8 +183,9 @@ def test_make_is_deterministic_and_cached(english, tok):
     assert a.make(500, random.Random(9)) == first[0] and counting.calls == calls  # all from the cache
     assert a.make(500, random.Random(10)) != first[0]
     # the pool's own seeded generator when no rng is passed
-    assert ([PromptPool(english, tok, seed=5).make(50) for _ in range(2)]
-            == [PromptPool(english, tok, seed=5).make(50) for _ in range(2)])
+    assert [PromptPool(english, tok, seed=5).make(50) for _ in range(2)] == [
+        PromptPool(english, tok, seed=5).make(50) for _ in range(2)
+    ]
 
 
 def test_make_chinese_prompts(datasets_dir, tok):

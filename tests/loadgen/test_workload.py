@@ -10,9 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.loadgen.workload import (TRACES, RequestSpec, TraceRow, build_workload, clip_lengths, gamma_arrivals,
-                            load_trace, poisson_arrivals, resolve_datasets_dir, sample_rows, scale_to_rate,
-                            window)
+from pdserve.loadgen.workload import (
+    TRACES,
+    RequestSpec,
+    TraceRow,
+    build_workload,
+    clip_lengths,
+    gamma_arrivals,
+    load_trace,
+    poisson_arrivals,
+    resolve_datasets_dir,
+    sample_rows,
+    scale_to_rate,
+    window,
+)
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
 AZURE = DATASETS / "azure_llm_trace_2023"
@@ -42,10 +53,14 @@ def _cv(x) -> float:
 
 # --- load_trace -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,count,first,second,second_t,rate", [
-    ("azure-conv", 19_366, (374, 44), (396, 109), 4.314579, 5.53),
-    ("azure-code", 8_819, (4808, 10), (3180, 8), 0.052, 2.57),
-])
+
+@pytest.mark.parametrize(
+    "name,count,first,second,second_t,rate",
+    [
+        ("azure-conv", 19_366, (374, 44), (396, 109), 4.314579, 5.53),
+        ("azure-code", 8_819, (4808, 10), (3180, 8), 0.052, 2.57),
+    ],
+)
 def test_load_trace_azure(datasets_dir, name, count, first, second, second_t, rate):
     rows = load_trace(name, datasets_dir)
     assert len(rows) == count
@@ -94,20 +109,26 @@ def _write(tmp_path: Path, *lines: str) -> str:
 
 
 def test_load_trace_small_file_seven_digit_precision(tmp_path):
-    rows = load_trace(_write(tmp_path, "2023-11-16 23:59:59.9999999,5,6", "2023-11-17 00:00:00.0000000,7,8",
-                             "2023-11-17 00:00:02.5,9,10"))
+    rows = load_trace(
+        _write(
+            tmp_path, "2023-11-16 23:59:59.9999999,5,6", "2023-11-17 00:00:00.0000000,7,8", "2023-11-17 00:00:02.5,9,10"
+        )
+    )
     assert [r.t_s for r in rows] == [0.0, pytest.approx(1e-7, abs=1e-12), pytest.approx(2.5000001, abs=1e-12)]
     assert rows[2] == TraceRow(rows[2].t_s, 9, 10)
 
 
-@pytest.mark.parametrize("bad,line", [
-    ("2023-11-16 18:00:01.0,12", 3),
-    ("2023-11-16 18:00:01.0,x,3", 3),
-    ("2023-11-16 18:00:01.0,-4,3", 3),
-    ("16/11/2023 18:00:01,4,3", 3),
-    ("2023-11-16 18:00:01.12a,4,3", 3),
-    ("2023-11-16 17:59:59.0,4,3", 3),  # earlier than the row before
-])
+@pytest.mark.parametrize(
+    "bad,line",
+    [
+        ("2023-11-16 18:00:01.0,12", 3),
+        ("2023-11-16 18:00:01.0,x,3", 3),
+        ("2023-11-16 18:00:01.0,-4,3", 3),
+        ("16/11/2023 18:00:01,4,3", 3),
+        ("2023-11-16 18:00:01.12a,4,3", 3),
+        ("2023-11-16 17:59:59.0,4,3", 3),  # earlier than the row before
+    ],
+)
 def test_load_trace_malformed_rows_give_line_number(tmp_path, bad, line):
     path = _write(tmp_path, "2023-11-16 18:00:00.0000000,1,2", bad, "2023-11-16 18:00:05.0,1,1")
     with pytest.raises(ValueError, match=f"t.csv:{line}:"):
@@ -122,6 +143,7 @@ def test_load_trace_wrong_header(tmp_path):
 
 
 # --- window / scale_to_rate -----------------------------------------------------------------------
+
 
 def test_window_keeps_relative_schedule(conv):
     w = window(conv, start_s=600.0, duration_s=20.0)
@@ -157,19 +179,23 @@ def test_scale_to_rate_hits_target_and_keeps_spacing(conv):
     assert slower[-1].t_s == pytest.approx(len(w) - 1)  # rate 1: n-1 seconds from first to last
 
 
-@pytest.mark.parametrize("rows,rate", [
-    ([TraceRow(0.0, 1, 1), TraceRow(1.0, 1, 1)], 0.0),
-    ([TraceRow(0.0, 1, 1), TraceRow(1.0, 1, 1)], -2.0),
-    ([TraceRow(0.0, 1, 1), TraceRow(1.0, 1, 1)], math.inf),
-    ([TraceRow(0.0, 1, 1)], 1.0),
-    ([TraceRow(2.0, 1, 1), TraceRow(2.0, 1, 1)], 1.0),
-])
+@pytest.mark.parametrize(
+    "rows,rate",
+    [
+        ([TraceRow(0.0, 1, 1), TraceRow(1.0, 1, 1)], 0.0),
+        ([TraceRow(0.0, 1, 1), TraceRow(1.0, 1, 1)], -2.0),
+        ([TraceRow(0.0, 1, 1), TraceRow(1.0, 1, 1)], math.inf),
+        ([TraceRow(0.0, 1, 1)], 1.0),
+        ([TraceRow(2.0, 1, 1), TraceRow(2.0, 1, 1)], 1.0),
+    ],
+)
 def test_scale_to_rate_rejects(rows, rate):
     with pytest.raises(ValueError):
         scale_to_rate(rows, rate)
 
 
 # --- synthetic arrivals ---------------------------------------------------------------------------
+
 
 def test_poisson_arrivals():
     a = poisson_arrivals(4.0, 20_001, seed=7)
@@ -205,27 +231,39 @@ def test_gamma_arrivals_rejects_bad_burstiness():
 
 # --- lengths --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,kwargs,expected", [
-    ((100, 50, 2048), {}, (100, 50)),
-    ((1000, 48, 1048), {}, (1000, 48)),  # exactly max_model_len
-    ((1001, 48, 1048), {}, (1000, 48)),  # one over: the input gives way
-    ((5000, 100, 2048), {}, (1948, 100)),
-    ((10, 3000, 2048), {}, (1, 2047)),  # input at its floor of 1, then the output is trimmed
-    ((5, 5, 2), {}, (1, 1)),
-    ((0, 0, 64), {}, (1, 1)),
-    ((374, 44, 2048), {"length_scale": 0.5}, (187, 22)),
-    ((374, 44, 2048), {"length_scale": 0.01}, (4, 1)),
-    ((374, 44, 2048), {"length_scale": 3.0}, (1122, 132)),
-    ((374, 44, 2048), {"max_input_tokens": 256, "max_output_tokens": 16}, (256, 16)),
-    ((4808, 10, 512), {"length_scale": 0.1, "max_output_tokens": 4}, (481, 1)),
-    ((4808, 10, 512), {"max_input_tokens": 300}, (300, 10)),
-])
+
+@pytest.mark.parametrize(
+    "args,kwargs,expected",
+    [
+        ((100, 50, 2048), {}, (100, 50)),
+        ((1000, 48, 1048), {}, (1000, 48)),  # exactly max_model_len
+        ((1001, 48, 1048), {}, (1000, 48)),  # one over: the input gives way
+        ((5000, 100, 2048), {}, (1948, 100)),
+        ((10, 3000, 2048), {}, (1, 2047)),  # input at its floor of 1, then the output is trimmed
+        ((5, 5, 2), {}, (1, 1)),
+        ((0, 0, 64), {}, (1, 1)),
+        ((374, 44, 2048), {"length_scale": 0.5}, (187, 22)),
+        ((374, 44, 2048), {"length_scale": 0.01}, (4, 1)),
+        ((374, 44, 2048), {"length_scale": 3.0}, (1122, 132)),
+        ((374, 44, 2048), {"max_input_tokens": 256, "max_output_tokens": 16}, (256, 16)),
+        ((4808, 10, 512), {"length_scale": 0.1, "max_output_tokens": 4}, (481, 1)),
+        ((4808, 10, 512), {"max_input_tokens": 300}, (300, 10)),
+    ],
+)
 def test_clip_lengths(args, kwargs, expected):
     assert clip_lengths(*args, **kwargs) == expected
 
 
-@pytest.mark.parametrize("kwargs", [{"max_model_len": 1}, {"length_scale": 0.0}, {"length_scale": -1.0},
-                                    {"max_input_tokens": 0}, {"max_output_tokens": 0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_model_len": 1},
+        {"length_scale": 0.0},
+        {"length_scale": -1.0},
+        {"max_input_tokens": 0},
+        {"max_output_tokens": 0},
+    ],
+)
 def test_clip_lengths_rejects(kwargs):
     with pytest.raises(ValueError):
         clip_lengths(10, 10, **{"max_model_len": 100, **kwargs})
@@ -236,7 +274,7 @@ def test_clip_lengths_over_a_trace_window(datasets_dir):
     clipped = [clip_lengths(r.input_tokens, r.output_tokens, 2048) for r in code]
     assert clipped[:3] == [(2038, 10), (2048 - 8, 8), (110, 27)]
     for r, (inp, out) in zip(code, clipped):
-        assert 1 <= inp and 1 <= out and inp + out <= 2048
+        assert inp >= 1 and out >= 1 and inp + out <= 2048
         assert out == min(r.output_tokens, 2047)  # outputs only shrink when the input is at 1
         assert inp == (r.input_tokens if r.input_tokens + r.output_tokens <= 2048 else 2048 - out)
     assert sum(inp != r.input_tokens for r, (inp, _) in zip(code, clipped)) > 20  # the code trace is long
@@ -255,10 +293,11 @@ def test_sample_rows(conv):
 
 # --- build_workload -------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pool(datasets_dir, embedded_dir):
-    from pdserve.loadgen.prompts import PromptPool, load_prompts
     from pdserve.engine.text.tokenizer import Tokenizer
+    from pdserve.loadgen.prompts import PromptPool, load_prompts
 
     return PromptPool(load_prompts(["sharegpt", "belle-zh"], datasets_dir), Tokenizer.from_folder(embedded_dir), 0)
 
@@ -300,8 +339,10 @@ def test_build_workload_rejects(pool):
 def test_workload_module_imports_neither_torch_nor_ray():
     import subprocess
 
-    code = ("import sys, pdserve.loadgen.workload, pdserve.loadgen.prompts; "
-            "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, pdserve.loadgen.workload, pdserve.loadgen.prompts; "
+        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
@@ -310,7 +351,9 @@ def test_datasets_found_from_the_working_directory(tmp_path, monkeypatch):
     import pdserve.loadgen.workload as workload
 
     monkeypatch.delenv("PDSERVE_DATASETS", raising=False)
-    monkeypatch.setattr(workload, "__file__", str(tmp_path / "venv" / "lib" / "site-packages" / "pdserve" / "bench" / "workload.py"))
+    monkeypatch.setattr(
+        workload, "__file__", str(tmp_path / "venv" / "lib" / "site-packages" / "pdserve" / "bench" / "workload.py")
+    )
     (tmp_path / "shared" / "datasets").mkdir(parents=True)
     checkout = tmp_path / "pdserve"
     checkout.mkdir()

@@ -8,14 +8,20 @@ import pytest
 
 from pdserve.router.chat import ChatTemplate, ChatTemplateError
 
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
-          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "天空为什么是蓝色的？"},
-     {"role": "assistant", "content": "Rayleigh."}, {"role": "user", "content": "And at sunset? 🌅"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "天空为什么是蓝色的？"},
+        {"role": "assistant", "content": "Rayleigh."},
+        {"role": "user", "content": "And at sunset? 🌅"},
+    ],
 ]
 
 

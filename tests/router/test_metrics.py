@@ -9,17 +9,19 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.v1 import generate_pb2
-from pdserve.router.prometheus import RouterMetrics, worker_labels
 from pdserve.router.pool import WorkerHandle, WorkerPool
+from pdserve.router.prometheus import RouterMetrics, worker_labels
+from pdserve.v1 import generate_pb2
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 
 
 class _Pool:
     def __init__(self):
-        self.workers = [WorkerHandle("prefill", "127.0.0.1:1", channel=None, total_kv_blocks=10, used_kv_blocks=4),
-                        WorkerHandle("decode", "127.0.0.1:2", channel=None, healthy=False)]
+        self.workers = [
+            WorkerHandle("prefill", "127.0.0.1:1", channel=None, total_kv_blocks=10, used_kv_blocks=4),
+            WorkerHandle("decode", "127.0.0.1:2", channel=None, healthy=False),
+        ]
 
 
 def _families(m: RouterMetrics) -> dict:
@@ -30,13 +32,13 @@ def test_observations_land_in_their_series():
     m = RouterMetrics(_Pool())
     m.token_arrival(30_000_000, first=True)
     m.token_arrival(5_000_000, first=False)
-    t = generate_pb2.Timings(queue_ns=1_000_000, prefill_ns=2_000_000, kv_transfer_ns=3_000_000,
-                             kv_transfer_bytes=4096, decode_ns=4_000_000)
+    t = generate_pb2.Timings(
+        queue_ns=1_000_000, prefill_ns=2_000_000, kv_transfer_ns=3_000_000, kv_transfer_bytes=4096, decode_ns=4_000_000
+    )
     m.finished(generate_pb2.FINISH_REASON_LENGTH, 0, t)
     m.finished(generate_pb2.FINISH_REASON_ABORT, 0, None)
     m.rejected("invalid")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in _families(m).values() for s in f.samples}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in _families(m).values() for s in f.samples}
     assert samples[("pdserve:time_to_first_token_seconds_sum", ())] == 0.03
     assert samples[("pdserve:inter_token_latency_seconds_count", ())] == 1
     assert samples[("pdserve:kv_transfer_bytes_sum", ())] == 4096
@@ -52,8 +54,10 @@ def test_observations_land_in_their_series():
 
 
 def test_workers_are_labelled_by_role_and_index_never_by_address():
-    ws = [WorkerHandle(role, f"10.0.0.{i}:5000{i}", channel=None)
-          for i, role in enumerate(("prefill", "decode", "prefill", "decode", "decode"))]
+    ws = [
+        WorkerHandle(role, f"10.0.0.{i}:5000{i}", channel=None)
+        for i, role in enumerate(("prefill", "decode", "prefill", "decode", "decode"))
+    ]
     assert worker_labels(ws) == ["prefill-0", "decode-0", "prefill-1", "decode-1", "decode-2"]
     assert worker_labels([WorkerHandle("colocated", "10.0.0.9:1", channel=None)] * 2) == ["colocated-0", "colocated-1"]
 
@@ -88,8 +92,8 @@ def test_rejection_reasons_are_a_bounded_set():
 def test_two_routers_in_one_process_keep_their_own_counts():
     a, b = RouterMetrics(_Pool()), RouterMetrics(_Pool())
     a.rejected("unavailable")
-    assert "pdserve:requests_rejected_total{reason=\"unavailable\"} 1.0" in a.exposition().decode()
-    assert "pdserve:requests_rejected_total{reason=\"unavailable\"} 0.0" in b.exposition().decode()
+    assert 'pdserve:requests_rejected_total{reason="unavailable"} 1.0' in a.exposition().decode()
+    assert 'pdserve:requests_rejected_total{reason="unavailable"} 0.0' in b.exposition().decode()
 
 
 def test_the_dashboard_reads_only_metrics_the_router_exports():
@@ -103,7 +107,7 @@ def test_the_dashboard_reads_only_metrics_the_router_exports():
 
 def test_the_readme_metrics_table_lists_every_metric_the_router_exports():
     readme = (DASHBOARD.parents[1] / "README.md").read_text()
-    table = readme[readme.index("### Metrics"):readme.index("`docs/grafana-dashboard.json`")]
+    table = readme[readme.index("### Metrics") : readme.index("`docs/grafana-dashboard.json`")]
     listed = set(re.findall(r"^\| `(pdserve:[a-z0-9_]+)` \|", table, re.M))
     exported = set()
     for f in _families(RouterMetrics(_Pool())).values():  # the parser names a counter without _total

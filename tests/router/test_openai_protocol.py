@@ -16,8 +16,21 @@ def parse(model, body):
 
 
 def test_completion_fields_map_onto_the_generate_request():
-    req = parse(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
-                                    "top_k": -1, "seed": 3, "stop": "\n", "ignore_eos": True, "user": "ignored"})
+    req = parse(
+        CompletionRequest,
+        {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": -1,
+            "seed": 3,
+            "stop": "\n",
+            "ignore_eos": True,
+            "user": "ignored",
+        },
+    )
     g = req.to_generate_request()
     assert g.prompt == "hi" and g.max_tokens == 7 and g.stop == ["\n"] and g.ignore_eos
     assert g.sampling.temperature == 0.5 and abs(g.sampling.top_p - 0.9) < 1e-6 and g.sampling.seed == 3
@@ -29,44 +42,62 @@ def test_completion_fields_map_onto_the_generate_request():
 
 
 def test_chat_prefers_max_completion_tokens():
-    req = parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                        {"type": "text", "text": "b"}]}],
-                              "max_tokens": 5, "max_completion_tokens": 9})
+    req = parse(
+        ChatRequest,
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 5,
+            "max_completion_tokens": 9,
+        },
+    )
     assert req.to_generate_request([1]).max_tokens == 9
     assert req.messages[0].for_template()["content"] == "ab"
     unset = parse(ChatRequest, {"messages": [{"role": "user", "content": "a"}]}).to_generate_request([1])
     assert not unset.HasField("max_tokens")  # chat: the rest of the context window, as vLLM
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "hi", "seed": -5}, "seed"),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
-    ({"prompt": "hi", "ignore_eos": "no"}, "ignore_eos"),
-    ({}, "prompt"),
-    ({"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "seed": -5}, "seed"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "hi", "ignore_eos": "no"}, "ignore_eos"),
+        ({}, "prompt"),
+        ({"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+    ],
+)
 def test_bad_shapes_name_their_field(body, param):
     with pytest.raises(BadRequest) as info:
         parse(CompletionRequest, body).to_generate_request()
     assert info.value.param == param
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt": "hi", "n": 0}, "n must be 1 (one choice per request), got 0"),
-    ({"prompt": "hi", "n": 3}, "n must be 1 (one choice per request), got 3; send 3 requests for 3 choices"),
-    ({"prompt": "hi", "max_tokens": -1}, "max_tokens must be >= 1, got -1"),  # as the validator says for 0
-    ({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -2},
-     "max_completion_tokens must be >= 1, got -2"),
-    ({"prompt": "hi", "top_k": -2}, "top_k must be >= -1 (-1 or 0 disables), got -2"),
-    ({"prompt": "hi", "seed": -5}, "seed must be >= 0, got -5"),
-    ({"prompt": "hi", "max_tokens": 1 << 32}, f"max_tokens must be <= {(1 << 32) - 1}, got {1 << 32}"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
-     "messages.1.role: role must be one of system, developer, user, assistant, tool, got 'wizard'"),
-    ({"messages": [{"role": "user"}]}, "messages.0: a user message needs content: a string or a list of text parts"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "hi", "n": 0}, "n must be 1 (one choice per request), got 0"),
+        ({"prompt": "hi", "n": 3}, "n must be 1 (one choice per request), got 3; send 3 requests for 3 choices"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens must be >= 1, got -1"),  # as the validator says for 0
+        (
+            {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": -2},
+            "max_completion_tokens must be >= 1, got -2",
+        ),
+        ({"prompt": "hi", "top_k": -2}, "top_k must be >= -1 (-1 or 0 disables), got -2"),
+        ({"prompt": "hi", "seed": -5}, "seed must be >= 0, got -5"),
+        ({"prompt": "hi", "max_tokens": 1 << 32}, f"max_tokens must be <= {(1 << 32) - 1}, got {1 << 32}"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+            "messages.1.role: role must be one of system, developer, user, assistant, tool, got 'wizard'",
+        ),
+        (
+            {"messages": [{"role": "user"}]},
+            "messages.0: a user message needs content: a string or a list of text parts",
+        ),
+    ],
+)
 def test_messages_say_what_is_wrong_and_what_is_allowed(body, message):
     with pytest.raises(BadRequest) as info:
         parse(ChatRequest if "messages" in body else CompletionRequest, body)
@@ -76,16 +107,22 @@ def test_messages_say_what_is_wrong_and_what_is_allowed(body, message):
 CHAT = {"messages": [{"role": "user", "content": "a"}]}
 
 
-@pytest.mark.parametrize("body, param, message", [
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
-    ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
-    ({**CHAT, "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
-    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1, got 0"),
-    # max_completion_tokens wins, but an invalid max_tokens beside it is still an error, and vice versa
-    ({**CHAT, "max_completion_tokens": 3, "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
-    ({**CHAT, "max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens",
-     "max_completion_tokens must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1, got 0"),
+        # max_completion_tokens wins, but an invalid max_tokens beside it is still an error, and vice versa
+        ({**CHAT, "max_completion_tokens": 3, "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+        (
+            {**CHAT, "max_completion_tokens": 0, "max_tokens": 3},
+            "max_completion_tokens",
+            "max_completion_tokens must be >= 1, got 0",
+        ),
+    ],
+)
 def test_token_limits_below_one_name_the_field_sent(body, param, message):
     with pytest.raises(BadRequest) as info:
         parse(ChatRequest if "messages" in body else CompletionRequest, body)
@@ -112,8 +149,16 @@ def test_a_lone_surrogate_is_named_as_such(escape):
 
 
 def test_timings_carry_every_field_of_the_grpc_message():
-    t = PB.Timings(queue_ns=1, prefill_ns=2, kv_transfer_ns=3, decode_ns=4, total_ns=5, kv_transfer_bytes=6,
-                   prefilled_on_decode=True, cached_prompt_tokens=32)
+    t = PB.Timings(
+        queue_ns=1,
+        prefill_ns=2,
+        kv_transfer_ns=3,
+        decode_ns=4,
+        total_ns=5,
+        kv_transfer_bytes=6,
+        prefilled_on_decode=True,
+        cached_prompt_tokens=32,
+    )
     body = timings_json(t)
     assert body["prefilled_on_decode"] is True and body["cached_prompt_tokens"] == 32
     assert body["kv_transfer_bytes"] == 6 and body["prefill_s"] == 2e-9
@@ -137,8 +182,9 @@ def test_a_chunk_with_nothing_to_say_is_not_sent(kind):
 def test_values_are_left_to_the_validator():
     """A negative temperature, top_p 0 and long stop strings pass the shape check: the router's validator
     refuses them (and names the field, see test_validation)."""
-    g = parse(CompletionRequest, {"prompt": "hi", "temperature": -1, "top_p": 0, "stop": ["x" * 5000]}
-              ).to_generate_request()
+    g = parse(
+        CompletionRequest, {"prompt": "hi", "temperature": -1, "top_p": 0, "stop": ["x" * 5000]}
+    ).to_generate_request()
     assert g.sampling.temperature == -1 and g.sampling.HasField("top_p") and g.sampling.top_p == 0
     assert list(g.stop) == ["x" * 5000]
     with pytest.raises(BadRequest, match="batched"):
@@ -146,27 +192,52 @@ def test_values_are_left_to_the_validator():
     with pytest.raises(BadRequest, match="JSON object"):
         parse(CompletionRequest, [1, 2])
     with pytest.raises(BadRequest, match="text content"):
-        parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).messages[0].for_template()
+        parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).messages[
+            0
+        ].for_template()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("best_of", 2), ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("repetition_penalty", 1.2), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("suffix", "the end"), ("presence_penalty", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("best_of", 2),
+        ("logit_bias", {"50256": -100}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("repetition_penalty", 1.2),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function"}]),
+        ("suffix", "the end"),
+        ("presence_penalty", True),
+    ],
+)
 def test_fields_that_would_change_the_output_are_refused_not_ignored(field, value):
-    for req in (CompletionRequest(prompt="hi", **{field: value}),
-                ChatRequest(messages=[{"role": "user", "content": "hi"}], **{field: value})):
-        make = req.to_generate_request if isinstance(req, CompletionRequest) else \
-            (lambda: req.to_generate_request([1, 2]))
+    for req in (
+        CompletionRequest(prompt="hi", **{field: value}),
+        ChatRequest(messages=[{"role": "user", "content": "hi"}], **{field: value}),
+    ):
+        make = (
+            req.to_generate_request if isinstance(req, CompletionRequest) else (lambda: req.to_generate_request([1, 2]))
+        )
         with pytest.raises(BadRequest) as info:
             make()
         assert info.value.param == field and f"{field} is not supported" in str(info.value)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("best_of", 1), ("logit_bias", {}), ("presence_penalty", 0), ("frequency_penalty", 0.0),
-    ("repetition_penalty", 1.0), ("response_format", {"type": "text"}), ("tools", []), ("suffix", ""),
-    ("tools", None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("best_of", 1),
+        ("logit_bias", {}),
+        ("presence_penalty", 0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("response_format", {"type": "text"}),
+        ("tools", []),
+        ("suffix", ""),
+        ("tools", None),
+    ],
+)
 def test_their_neutral_values_are_accepted(field, value):
     req = CompletionRequest(prompt="hi", **{field: value}).to_generate_request()
     assert req.prompt == "hi"

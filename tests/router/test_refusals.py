@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from pdserve.router.frontend import Frontend
+from pdserve.router.grpc_api import RouterServicer
 from pdserve.router.openai_api import build_app
 from pdserve.router.pool import WorkerPool
-from pdserve.router.grpc_api import RouterServicer
 from pdserve.router.validation import MAX_STOP_CHARS
 from pdserve.v1 import generate_pb2 as PB
 from pdserve.v1 import generate_pb2_grpc
@@ -44,27 +44,46 @@ async def stub(core):
     await server.stop(0)
 
 
-@pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
-     "max_completion_tokens must be >= 1, got 0"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 3, "max_tokens": 0}, "max_tokens",
-     "max_tokens must be >= 1, got 0"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 1000}, "max_completion_tokens",
-     "+ max_completion_tokens (1000) = "),
-    ("/v1/chat/completions", {**CHAT, "max_tokens": 1000}, "max_tokens", "+ max_tokens (1000) = "),
-    ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature", "temperature must be"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature must be"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
-    ("/v1/completions", {"prompt": ""}, "prompt", "prompt is empty"),
-    ("/v1/completions", {"prompt": [5, 10**6]}, "prompt", "out of range"),
-    ("/v1/completions", {"prompt": "word " * 300}, "prompt", "context window"),
-    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop", "stop strings must be non-empty"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 200_000] * 16}, "stop",
-     f"stop strings must have at most {MAX_STOP_CHARS} characters"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": 0},
+            "max_completion_tokens",
+            "max_completion_tokens must be >= 1, got 0",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": 3, "max_tokens": 0},
+            "max_tokens",
+            "max_tokens must be >= 1, got 0",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": 1000},
+            "max_completion_tokens",
+            "+ max_completion_tokens (1000) = ",
+        ),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 1000}, "max_tokens", "+ max_tokens (1000) = "),
+        ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature", "temperature must be"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature must be"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
+        ("/v1/completions", {"prompt": ""}, "prompt", "prompt is empty"),
+        ("/v1/completions", {"prompt": [5, 10**6]}, "prompt", "out of range"),
+        ("/v1/completions", {"prompt": "word " * 300}, "prompt", "context window"),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop", "stop strings must be non-empty"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": ["x" * 200_000] * 16},
+            "stop",
+            f"stop strings must have at most {MAX_STOP_CHARS} characters",
+        ),
+    ],
+)
 async def test_http_errors_name_the_field_sent(http, path, body, param, words):
     r = await http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -93,8 +112,7 @@ async def test_grpc_refuses_request_ids_with_control_characters(stub):
 
 async def test_grpc_refuses_overlong_stop_strings(stub):
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await anext(stub.Generate(PB.GenerateRequest(prompt="hi", stop=["x" * 200_000] * 16,
-                                                     max_tokens=2)).__aiter__())
+        await anext(stub.Generate(PB.GenerateRequest(prompt="hi", stop=["x" * 200_000] * 16, max_tokens=2)).__aiter__())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"stop strings must have at most {MAX_STOP_CHARS} characters" in info.value.details()
 

@@ -21,8 +21,12 @@ def make_pool(routing: str = "prefix-aware", n: int = 2, role: str = "prefill") 
     addrs = [f"127.0.0.1:{9000 + i}" for i in range(n)]
     if role == "colocated":
         return WorkerPool([], [], addrs, routing=routing)
-    return WorkerPool(addrs if role == "prefill" else ["127.0.0.1:8999"], addrs if role == "decode" else
-                      ["127.0.0.1:8998"], [], routing=routing)
+    return WorkerPool(
+        addrs if role == "prefill" else ["127.0.0.1:8999"],
+        addrs if role == "decode" else ["127.0.0.1:8998"],
+        [],
+        routing=routing,
+    )
 
 
 def route_prefill(pool: WorkerPool, prompt: list[int]):

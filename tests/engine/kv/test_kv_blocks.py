@@ -13,8 +13,11 @@ from pdserve.engine.scheduling.sequence import Sequence
 NUM_BLOCKS = 40
 
 
-@pytest.fixture(scope="module", params=[(bs, dt) for bs in (1, 5, 16) for dt in ("float32", "bfloat16")],
-                ids=lambda p: f"bs{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(bs, dt) for bs in (1, 5, 16) for dt in ("float32", "bfloat16")],
+    ids=lambda p: f"bs{p[0]}-{p[1]}",
+)
 def runner(request, embedded_dir) -> ModelRunner:
     block_size, dtype = request.param
     cfg = EngineConfig(model=str(embedded_dir), block_size=block_size, num_kv_blocks=NUM_BLOCKS, dtype=dtype)

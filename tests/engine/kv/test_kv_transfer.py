@@ -100,8 +100,9 @@ def test_rejects_non_positive_chunk_size():
         InProcessKvTransfer(chunk_bytes=0)
 
 
-@pytest.mark.parametrize("rid,size", [("req-1", 0), ("", 5), ("r" * 200, 127), ("é", 128), ("x", 16384),
-                                      ("y", (1 << 20) + 3)])
+@pytest.mark.parametrize(
+    "rid,size", [("req-1", 0), ("", 5), ("r" * 200, 127), ("é", 128), ("x", 16384), ("y", (1 << 20) + 3)]
+)
 def test_grpc_sender_encodes_kv_chunks_like_protobuf(rid, size):
     from pdserve.prefill_worker.kv_sender import encode_kv_chunk
     from pdserve.v1 import worker_pb2

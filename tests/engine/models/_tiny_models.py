@@ -6,6 +6,7 @@
 * ``engine_logits``: last-position logits of our forward, via a prefill and via a paged decode.
 * ``edit_config`` / ``drop_tensor``: corrupt a saved folder for the error-path tests.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VOCAB = 512
 
 # Shared shape of every tiny model: small enough that the whole file runs in seconds.
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def build_model(folder: Path, model_cls, config, seed: int = 0, **save_kwargs) -> Path:
@@ -60,9 +71,15 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> 
     outs = []
     for p in prompts:
         ids = torch.tensor([p], dtype=torch.int64)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-        outs.append(out[0, len(p):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+        outs.append(out[0, len(p) :].tolist())
     return outs
 
 
@@ -77,8 +94,14 @@ def prefill_metadata(slots: torch.Tensor, table: list[int], n: int):
     """Metadata of a one-sequence prefill of ``n`` tokens at ``slots`` in blocks ``table``."""
     from pdserve.engine.models.attention import AttentionMetadata
 
-    return AttentionMetadata(True, slots, torch.tensor([table], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
-                             torch.tensor([0, n], dtype=torch.int32), cu_seqlens=[0, n])
+    return AttentionMetadata(
+        True,
+        slots,
+        torch.tensor([table], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        torch.tensor([0, n], dtype=torch.int32),
+        cu_seqlens=[0, n],
+    )
 
 
 def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +128,13 @@ def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor
     decode = prefill[-1]
     if n > 1:
         model.forward(ids[:-1], pos[:-1], prefill_metadata(slots[:-1], table, n - 1), cache)
-        meta = AttentionMetadata(False, slots[-1:], torch.tensor([table], dtype=torch.int32),
-                                 torch.tensor([n], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+        meta = AttentionMetadata(
+            False,
+            slots[-1:],
+            torch.tensor([table], dtype=torch.int32),
+            torch.tensor([n], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+        )
         decode = model.compute_logits(model.forward(ids[-1:], pos[-1:], meta, cache))[0].float()
     cache.zero_()
     return prefill, decode

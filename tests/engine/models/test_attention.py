@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.models import kernels
-from pdserve.engine.models.attention import (AttentionMetadata, CpuPagedAttention, TorchAttention, select_backend)
+from pdserve.engine.models.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, select_backend
 
 BACKENDS = {"torch": TorchAttention, "cpu-paged": CpuPagedAttention}
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -15,8 +15,8 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 def make_backend(name: str, dtype: torch.dtype, head_dim: int, window: int | None):
     if name == "torch":
-        return TorchAttention(head_dim ** -0.5, window)
-    return CpuPagedAttention(head_dim ** -0.5, window, dtype)
+        return TorchAttention(head_dim**-0.5, window)
+    return CpuPagedAttention(head_dim**-0.5, window, dtype)
 
 
 def dense_reference(q, keys, vals, window):
@@ -27,8 +27,9 @@ def dense_reference(q, keys, vals, window):
     v = vals.double().repeat_interleave(groups, dim=1).transpose(0, 1)
     pos = torch.arange(n)
     mask = pos >= n - window if window else torch.ones(n, dtype=torch.bool)
-    o = F.scaled_dot_product_attention(q.double()[:, None, :], k, v, attn_mask=mask[None, None, :],
-                                       scale=q.shape[-1] ** -0.5)
+    o = F.scaled_dot_product_attention(
+        q.double()[:, None, :], k, v, attn_mask=mask[None, None, :], scale=q.shape[-1] ** -0.5
+    )
     return o[:, 0, :]
 
 
@@ -41,7 +42,7 @@ def random_paged_batch(lens, block_size, num_kv_heads, head_dim, dtype, gen):
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, at = [], 0
     for b in need:
-        tables.append(perm[at:at + b])
+        tables.append(perm[at : at + b])
         at += b
     width = max(need)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -75,13 +76,22 @@ def test_decode_matches_dense_reference(case, backend, dtype):
     # q as a row-strided view, like the decoder's q|k slice of the fused projection
     qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
     q = qk[:, :heads]
-    meta = AttentionMetadata(False, torch.zeros(len(lens), dtype=torch.int64), table_tensor,
-                             torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens) + 1, dtype=torch.int32))
+    meta = AttentionMetadata(
+        False,
+        torch.zeros(len(lens), dtype=torch.int64),
+        table_tensor,
+        torch.tensor(lens, dtype=torch.int32),
+        torch.arange(len(lens) + 1, dtype=torch.int32),
+    )
     out = make_backend(backend, dtype, head_dim, window).decode(q, k_cache, v_cache, meta)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == dtype
     for i, n in enumerate(lens):
-        want = dense_reference(q[i], contiguous_kv(k_cache, tables[i], n, block_size),
-                               contiguous_kv(v_cache, tables[i], n, block_size), window)
+        want = dense_reference(
+            q[i],
+            contiguous_kv(k_cache, tables[i], n, block_size),
+            contiguous_kv(v_cache, tables[i], n, block_size),
+            window,
+        )
         torch.testing.assert_close(out[i].view(heads, head_dim).double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -99,15 +109,25 @@ def test_prefill_matches_dense_reference(backend, window, block_size, dtype):
     for n in lens:
         cu.append(cu[-1] + n)
     # the decoder writes the step's K/V into the cache before attention: k/v are those slots
-    slots = torch.cat([torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(n)])
-                       for t, n in zip(tables, lens)])
+    slots = torch.cat(
+        [
+            torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(n)])
+            for t, n in zip(tables, lens)
+        ]
+    )
     k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
-    meta = AttentionMetadata(True, slots, table_tensor, torch.tensor(lens, dtype=torch.int32),
-                             torch.tensor(cu, dtype=torch.int32), cu_seqlens=cu)
+    meta = AttentionMetadata(
+        True,
+        slots,
+        table_tensor,
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens=cu,
+    )
     out = make_backend(backend, dtype, head_dim, window).prefill(q, k, v, k_cache, v_cache, meta)
     for s in range(len(lens)):
         for i in range(cu[s], cu[s + 1]):  # each query sees its own sequence up to itself
-            want = dense_reference(q[i], k[cu[s]:i + 1], v[cu[s]:i + 1], window)
+            want = dense_reference(q[i], k[cu[s] : i + 1], v[cu[s] : i + 1], window)
             torch.testing.assert_close(out[i].view(heads, head_dim).double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -118,14 +138,20 @@ def test_paged_kernel_takes_the_last_rows_of_longer_sequences(window):
     0 .. n - m + r."""
     lens, rows, heads, kv_heads, head_dim, block_size = [40, 5, 33, 16], [7, 5, 1, 16], 8, 2, 64, 16
     gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache, tables, table_tensor = random_paged_batch(lens, block_size, kv_heads, head_dim,
-                                                                torch.float32, gen)
+    k_cache, v_cache, tables, table_tensor = random_paged_batch(
+        lens, block_size, kv_heads, head_dim, torch.float32, gen
+    )
     starts = [0]
     for m in rows:
         starts.append(starts[-1] + m)
     q = torch.randn(starts[-1], heads, head_dim, generator=gen)
-    meta = AttentionMetadata(True, torch.zeros(starts[-1], dtype=torch.int64), table_tensor,
-                             torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32))
+    meta = AttentionMetadata(
+        True,
+        torch.zeros(starts[-1], dtype=torch.int64),
+        table_tensor,
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+    )
     out = make_backend("cpu-paged", torch.float32, head_dim, window).decode(q, k_cache, v_cache, meta)
     for s, (n, m) in enumerate(zip(lens, rows)):
         keys = contiguous_kv(k_cache, tables[s], n, block_size)

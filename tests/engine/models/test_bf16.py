@@ -60,8 +60,9 @@ def test_bf16_greedy_agrees_with_transformers(setup):
     for p, o in zip(prompts, ours):
         ids = torch.tensor([p])
         with torch.inference_mode():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                              do_sample=False)[0, len(p):].tolist()
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
         if o == ref:
             full += 1
             continue

@@ -13,14 +13,17 @@ from pdserve.engine.models.dtype import native_bf16, resolve_dtype
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("feature, checkpoint, want", [
-    ("avx512_bf16", "float32", "bfloat16"),
-    (None, "float32", "float32"),
-    ("amx_bf16", "bfloat16", "bfloat16"),
-    (None, "bfloat16", "bfloat16"),
-    ("avx512_bf16", "float16", "bfloat16"),
-    (None, "float16", "float32"),
-])
+@pytest.mark.parametrize(
+    "feature, checkpoint, want",
+    [
+        ("avx512_bf16", "float32", "bfloat16"),
+        (None, "float32", "float32"),
+        ("amx_bf16", "bfloat16", "bfloat16"),
+        (None, "bfloat16", "bfloat16"),
+        ("avx512_bf16", "float16", "bfloat16"),
+        (None, "float16", "float32"),
+    ],
+)
 def test_auto_rule(monkeypatch, feature, checkpoint, want):
     monkeypatch.setattr(dtype_mod, "native_bf16", lambda device: feature)
     name, why = resolve_dtype("auto", checkpoint, CPU)
@@ -34,8 +37,14 @@ def test_explicit_dtype_is_kept(monkeypatch):
 
 
 def test_checkpoint_dtype_is_read_from_config():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     assert ModelConfig.from_dict(base).torch_dtype == "float32"
     assert ModelConfig.from_dict({**base, "torch_dtype": "bfloat16"}).torch_dtype == "bfloat16"
     assert ModelConfig.from_dict({**base, "dtype": "float16", "torch_dtype": "float32"}).torch_dtype == "float16"

@@ -39,11 +39,7 @@ SAMPLES = [
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.iterdir())
-        if p.is_file()
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +84,9 @@ def test_folder_layout_and_config(tiny_dir):
 def test_build_is_deterministic_across_processes(tiny_dir, tmp_path):
     # Second build in a fresh process with single-threaded torch/rayon.
     env = dict(os.environ, RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    code = "import sys; from pdserve.engine.models.embedded import embedded_model_dir as f; print(f('tiny', sys.argv[1]))"
+    code = (
+        "import sys; from pdserve.engine.models.embedded import embedded_model_dir as f; print(f('tiny', sys.argv[1]))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], env=env, check=True, capture_output=True, text=True
     )
@@ -117,9 +115,17 @@ def test_weights_names_and_special_rows(tiny_dir):
     n = PRESETS["tiny"].num_layers
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(n):
-        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                     "post_attention_layernorm"):
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        ):
             expected.add(f"model.layers.{i}.{part}.weight")
     assert set(w) == expected
     assert all(t.dtype == torch.float32 for t in w.values())
@@ -239,8 +245,13 @@ def test_concurrent_build_race(tmp_path, tiny_dir):
     cache, go = tmp_path / "cache", tmp_path / "go"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     procs = [
-        subprocess.Popen([sys.executable, "-c", RACE_CHILD, str(cache), str(go)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", RACE_CHILD, str(cache), str(go)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     time.sleep(0.5)

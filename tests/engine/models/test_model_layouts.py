@@ -5,6 +5,7 @@ the stories260K tokenizer (vocab 512). For each layout we check that ``LLMEngine
 continuous batch gives the same greedy tokens as ``generate()`` run one prompt at a time, and that
 the logits of a prefill (every position) and of a paged decode step match ``transformers``.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,16 @@ import pytest
 import torch
 
 from tests.engine.models._tiny_models import (
-    BASE, STORIES, TOKENIZER_FILES, build_model, drop_tensor, edit_config, engine_logits, hf_greedy,
-    hf_logits, load_hf,
+    BASE,
+    STORIES,
+    TOKENIZER_FILES,
+    build_model,
+    drop_tensor,
+    edit_config,
+    engine_logits,
+    hf_greedy,
+    hf_logits,
+    load_hf,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -32,8 +41,13 @@ from pdserve.engine.params import SamplingParams  # noqa: E402
 
 MAX_TOKENS = 20
 PROMPT_LENS = (1, 11, 130)  # 130 > 64, the original context of the scaled-RoPE cases
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,13 +67,25 @@ def _prompts() -> list[list[int]]:
 def _spec(name: str):
     """(model class, config, save_pretrained kwargs) of a named layout."""
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
 
     specs = {
         # GQA with 4 query heads per KV head, untied lm_head, non-default rope_theta
-        "llama_gqa": (LlamaForCausalLM, LlamaConfig(**{**BASE, "num_attention_heads": 8, "num_key_value_heads": 2},
-                                                     rope_theta=50000.0, tie_word_embeddings=False), {}),
+        "llama_gqa": (
+            LlamaForCausalLM,
+            LlamaConfig(
+                **{**BASE, "num_attention_heads": 8, "num_key_value_heads": 2},
+                rope_theta=50000.0,
+                tie_word_embeddings=False,
+            ),
+            {},
+        ),
         "llama_tied": (LlamaForCausalLM, LlamaConfig(**BASE, tie_word_embeddings=True), {}),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(**BASE, tie_word_embeddings=True, use_sliding_window=False), {}),
         # sharded on purpose: the loader must follow model.safetensors.index.json
@@ -76,8 +102,17 @@ def _spec(name: str):
     return specs[name]
 
 
-LAYOUTS = ["llama_gqa", "llama_tied", "qwen2", "mistral", "llama3_rope", "linear_rope", "head_dim",
-           "llama_attn_bias", "llama_mlp_bias"]
+LAYOUTS = [
+    "llama_gqa",
+    "llama_tied",
+    "qwen2",
+    "mistral",
+    "llama3_rope",
+    "linear_rope",
+    "head_dim",
+    "llama_attn_bias",
+    "llama_mlp_bias",
+]
 # checkpoints rewritten into the transformers 4 config.json layout (rope_scaling + top-level rope_theta)
 LEGACY = ["legacy_llama3_rope", "legacy_linear_rope"]
 
@@ -131,7 +166,7 @@ def cases(tmp_path_factory):
 def _assert_same_tokens(ours: list[list[int]], ref: list[list[int]]) -> None:
     for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
         assert r, "empty reference"
-        assert o[:len(r)] == r, f"prompt {i} ({PROMPT_LENS[i]} tokens): ours {o} != transformers {r}"
+        assert o[: len(r)] == r, f"prompt {i} ({PROMPT_LENS[i]} tokens): ours {o} != transformers {r}"
         # the engine stops exactly where transformers does (EOS or max_tokens)
         assert len(o) == len(r), f"prompt {i}: {len(o)} tokens vs transformers {len(r)}"
 
@@ -148,8 +183,9 @@ def test_greedy_batch_matches_transformers(cases, name):
 @pytest.mark.parametrize("name", LAYOUTS + LEGACY)
 def test_logits_match_transformers(cases, name):
     case = cases(name)
-    torch.testing.assert_close(case.engine.runner.model.inv_freq, case.hf.model.rotary_emb.inv_freq.float(),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        case.engine.runner.model.inv_freq, case.hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0
+    )
     for prompt in case.prompts:
         ref = hf_logits(case.hf, prompt)
         prefill, decode = engine_logits(case.engine, prompt)
@@ -189,8 +225,12 @@ def test_layout_files_are_what_the_cases_claim(cases):
     hd = ModelConfig.from_folder(cases("head_dim").folder)
     assert hd.head_dim == 32 != hd.hidden_size // hd.num_heads
 
-    for name, kind in [("llama3_rope", "llama3"), ("linear_rope", "linear"),
-                       ("legacy_llama3_rope", "llama3"), ("legacy_linear_rope", "linear")]:
+    for name, kind in [
+        ("llama3_rope", "llama3"),
+        ("linear_rope", "linear"),
+        ("legacy_llama3_rope", "llama3"),
+        ("legacy_linear_rope", "linear"),
+    ]:
         case = cases(name)
         raw = json.loads((case.folder / "config.json").read_text())
         assert ("rope_parameters" in raw) != name.startswith("legacy_"), raw
@@ -238,11 +278,14 @@ def test_missing_safetensors(cases, tmp_path):
         LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
-@pytest.mark.parametrize("name, tensor", [
-    ("llama_gqa", "model.layers.1.mlp.down_proj.weight"),
-    ("llama_gqa", "lm_head.weight"),
-    ("qwen2", "model.layers.0.self_attn.k_proj.bias"),
-])
+@pytest.mark.parametrize(
+    "name, tensor",
+    [
+        ("llama_gqa", "model.layers.1.mlp.down_proj.weight"),
+        ("llama_gqa", "lm_head.weight"),
+        ("qwen2", "model.layers.0.self_attn.k_proj.bias"),
+    ],
+)
 def test_missing_tensor(cases, tmp_path, name, tensor):
     folder = _copy(cases, tmp_path, name)
     drop_tensor(folder, tensor)
@@ -250,11 +293,23 @@ def test_missing_tensor(cases, tmp_path, name, tensor):
         LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
-@pytest.mark.parametrize("changes, kind", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                          "rope_theta": 10000.0}}, "yarn"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
-])
+@pytest.mark.parametrize(
+    "changes, kind",
+    [
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 10000.0,
+                }
+            },
+            "yarn",
+        ),
+        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ],
+)
 def test_unsupported_rope_type(cases, tmp_path, changes, kind):
     folder = _copy(cases, tmp_path)
     edit_config(folder, **changes)

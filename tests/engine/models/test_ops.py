@@ -54,10 +54,10 @@ def test_rope_in_place_on_a_strided_view(fused, heads, head_dim):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(BF16), emb.sin().to(BF16)
     ref, ours = qkv.clone(), qkv.clone()
-    TorchOps().rope_(ref[:, :heads * head_dim].view(rows, heads, head_dim), cos, sin)
-    fused.rope_(ours[:, :heads * head_dim].view(rows, heads, head_dim), cos, sin)
+    TorchOps().rope_(ref[:, : heads * head_dim].view(rows, heads, head_dim), cos, sin)
+    fused.rope_(ours[:, : heads * head_dim].view(rows, heads, head_dim), cos, sin)
     assert torch.equal(ours, ref)  # same rounding after every op: bit-exact
-    assert torch.equal(ours[:, heads * head_dim:], qkv[:, heads * head_dim:])  # the rest untouched
+    assert torch.equal(ours[:, heads * head_dim :], qkv[:, heads * head_dim :])  # the rest untouched
 
 
 def test_selection():

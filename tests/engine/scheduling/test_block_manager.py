@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.sequence import Sequence
 
 
@@ -36,8 +36,20 @@ def test_fresh_manager_has_every_block_free() -> None:
 
 @pytest.mark.parametrize(
     ("positions", "block_size", "blocks"),
-    [(0, 4, 0), (1, 4, 1), (3, 4, 1), (4, 4, 1), (5, 4, 2), (8, 4, 2), (9, 4, 3), (1, 1, 1), (7, 1, 7),
-     (16, 16, 1), (17, 16, 2), (100, 16, 7)],
+    [
+        (0, 4, 0),
+        (1, 4, 1),
+        (3, 4, 1),
+        (4, 4, 1),
+        (5, 4, 2),
+        (8, 4, 2),
+        (9, 4, 3),
+        (1, 1, 1),
+        (7, 1, 7),
+        (16, 16, 1),
+        (17, 16, 2),
+        (100, 16, 7),
+    ],
 )
 def test_blocks_for_is_ceiling_division(positions: int, block_size: int, blocks: int) -> None:
     assert BlockManager(num_blocks=1, block_size=block_size).blocks_for(positions) == blocks
@@ -209,7 +221,7 @@ def test_random_operations_never_hand_out_a_block_twice(seed: int) -> None:
                 positions[rid] = n
                 assert len(seq.block_table) == bm.blocks_for(n)
                 assert seq.block_table[: len(before)] == before
-                assert others.isdisjoint(seq.block_table[len(before):])
+                assert others.isdisjoint(seq.block_table[len(before) :])
             else:
                 with pytest.raises(RuntimeError):
                     bm.grow(seq, n)

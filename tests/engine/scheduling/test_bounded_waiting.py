@@ -61,8 +61,9 @@ def test_a_prompt_kept_out_by_a_full_kv_cache_preempts_the_largest_sequence(chun
     later, second in line), so the new prompt's first token does not wait for anyone to finish."""
     from pdserve.engine.scheduling.scheduler import PREEMPT_AFTER_STEPS
 
-    sched = make_scheduler(num_blocks=6, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                           chunked_prefill=chunked)
+    sched = make_scheduler(
+        num_blocks=6, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, chunked_prefill=chunked
+    )
     big, small = make_seq("big", 40, max_tokens=50), make_seq("small", 20, max_tokens=60)
     sched.add(big)
     sched.add(small)

@@ -18,8 +18,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def make_seq(rid: str, n: int, max_tokens: int = 8) -> Sequence:
-    return Sequence.new(rid, list(range(1, n + 1)), SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                 ignore_eos=True))
+    return Sequence.new(
+        rid, list(range(1, n + 1)), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def run_step(sched: Scheduler):
@@ -133,9 +134,18 @@ def generate_staggered(engine: LLMEngine, prompts: list[list[int]]) -> list[list
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_chunked_greedy_equals_prefill_first(embedded_dir, prompts, backend) -> None:
     """Budgets 16 and 32 cut prompts at block boundaries (block_size 16), 37 and 23 off them."""
+
     def engine(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
-                                   attention_backend=backend, enable_prefix_caching=False, **kw))
+        return LLMEngine(
+            EngineConfig(
+                model=str(embedded_dir),
+                dtype="float32",
+                num_kv_blocks=256,
+                attention_backend=backend,
+                enable_prefix_caching=False,
+                **kw,
+            )
+        )
 
     reference = generate_staggered(engine(enable_chunked_prefill=False), prompts)
     for budget in (16, 23, 32, 37):
@@ -144,8 +154,9 @@ def test_chunked_greedy_equals_prefill_first(embedded_dir, prompts, backend) -> 
         original = chunked.runner.run
 
         def spy(batch, original=original):
-            cut.extend(n for s, n in zip(batch.seqs, batch.num_query_tokens)
-                       if s.num_computed_tokens + n < s.num_tokens)
+            cut.extend(
+                n for s, n in zip(batch.seqs, batch.num_query_tokens) if s.num_computed_tokens + n < s.num_tokens
+            )
             return original(batch)
 
         chunked.runner.run = spy

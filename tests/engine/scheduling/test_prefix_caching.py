@@ -48,7 +48,7 @@ def shared_prefix() -> list[int]:
 def test_a_shared_prefix_is_computed_once(embedded_dir, shared_prefix) -> None:
     engine = make_engine(embedded_dir)
     first = engine.generate([shared_prefix], GREEDY)[0]
-    second_prompt = shared_prefix[:3 * BS] + [7, 8, 9, 10, 11, 12, 13]
+    second_prompt = shared_prefix[: 3 * BS] + [7, 8, 9, 10, 11, 12, 13]
     computed = record_computed(engine)
     seq = engine.add_request("second", second_prompt, GREEDY)
     while engine.has_work():
@@ -69,7 +69,7 @@ def test_an_identical_prompt_reuses_all_but_its_last_token(embedded_dir, shared_
     while engine.has_work():
         engine.step()
     assert again.num_cached_tokens == 3 * BS and again.output_token_ids == out
-    exact = shared_prefix[:3 * BS]
+    exact = shared_prefix[: 3 * BS]
     engine.generate([exact], GREEDY)
     seq = engine.add_request("exact", exact, GREEDY)
     while engine.has_work():
@@ -104,8 +104,9 @@ def test_decode_tokens_enter_the_cache_for_the_next_turn(embedded_dir, shared_pr
 
 def test_a_forced_hash_collision_is_caught_by_the_token_check(embedded_dir, shared_prefix) -> None:
     engine = make_engine(embedded_dir)
-    engine.blocks = engine.scheduler.blocks = BlockManager(engine.blocks.num_blocks, BS, True,
-                                                           hash_fn=lambda parent, tokens: b"same")
+    engine.blocks = engine.scheduler.blocks = BlockManager(
+        engine.blocks.num_blocks, BS, True, hash_fn=lambda parent, tokens: b"same"
+    )
     other = [t + 1 for t in shared_prefix]
     engine.generate([shared_prefix], GREEDY)
     seq = engine.add_request("other", other, GREEDY)
@@ -157,8 +158,9 @@ def test_a_pinned_prefix_lets_the_payload_leave_it_out(embedded_dir, shared_pref
     p = _prefilled(prefill, "r", prompt)
     payload = unpack_kv(pack_kv(prefill.extract_kv(p, skip_tokens=3 * BS)), decode.fingerprint)
     assert payload.kv_start == 3 * BS and payload.kv.shape[2] == len(prompt) - 3 * BS
-    wrong = unpack_kv(pack_kv(prefill.extract_kv(_prefilled(prefill, "x", prompt), skip_tokens=3 * BS)),
-                      decode.fingerprint)
+    wrong = unpack_kv(
+        pack_kv(prefill.extract_kv(_prefilled(prefill, "x", prompt), skip_tokens=3 * BS)), decode.fingerprint
+    )
     with pytest.raises(ValueError, match="holds no such prefix"):
         decode.admit_kv(wrong)  # request "x" has no prefix held
     out = decode.admit_kv(payload)

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.scheduler import Batch, Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -22,8 +22,13 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int = 100) -> Sequenc
     return Sequence.new(request_id, list(range(1, prompt_len + 1)), params)
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, chunked_prefill: bool = False) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    chunked_prefill: bool = False,
+) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, chunked_prefill)
 
 
@@ -112,10 +117,10 @@ def test_decode_grows_blocks_at_block_boundaries() -> None:
 
 def test_decode_preempts_the_most_recently_admitted_sequence() -> None:
     sched = make_scheduler(num_blocks=3, block_size=4)
-    old = make_seq("old", 7, max_tokens=4)   # 8 positions: 2 blocks
+    old = make_seq("old", 7, max_tokens=4)  # 8 positions: 2 blocks
     sched.add(old)
     step(sched)
-    new = make_seq("new", 1, max_tokens=4)   # 2 positions: 1 block
+    new = make_seq("new", 1, max_tokens=4)  # 2 positions: 1 block
     sched.add(new)
     step(sched)
     assert sched.blocks.num_free == 0
@@ -264,8 +269,13 @@ def test_random_workload_finishes_everything_and_frees_every_block(seed: int, ch
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4])
     num_blocks = rng.randint(6, 20)
-    sched = make_scheduler(num_blocks, bs, max_num_seqs=rng.randint(1, 6),
-                           max_num_batched_tokens=rng.randint(4, 32), chunked_prefill=chunked)
+    sched = make_scheduler(
+        num_blocks,
+        bs,
+        max_num_seqs=rng.randint(1, 6),
+        max_num_batched_tokens=rng.randint(4, 32),
+        chunked_prefill=chunked,
+    )
     expected: dict[str, int] = {}
     everything: list[Sequence] = []
     for i in range(rng.randint(5, 15)):

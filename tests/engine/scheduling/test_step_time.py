@@ -94,8 +94,9 @@ def test_target_itl_keeps_greedy_output(embedded_dir) -> None:
     prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (5, 40, 77, 130, 16, 64)]
 
     def engine(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256,
-                                   enable_prefix_caching=False, **kw))
+        return LLMEngine(
+            EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, **kw)
+        )
 
     reference = generate_staggered(engine(enable_chunked_prefill=False), prompts)
     timed = engine(max_num_batched_tokens=128, target_itl_ms=0.001)
@@ -118,6 +119,7 @@ def test_target_itl_flag_reaches_the_engine_config() -> None:
     import argparse
 
     from pdserve.worker.flags import add_engine_args, engine_config_from_args
+
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(["--target-itl-ms", "150"]), device="cpu").target_itl_ms == 150
@@ -128,6 +130,7 @@ def test_target_itl_flag_reaches_the_engine_config() -> None:
 
 def test_role_defaults() -> None:
     from pdserve.engine.config import for_role
+
     base = EngineConfig(model="embedded")
     colocated = for_role(base, "colocated")
     assert colocated.target_itl_ms == 200.0 and colocated.max_num_batched_tokens == 2048
@@ -146,6 +149,7 @@ def test_a_cold_colocated_engine_cuts_a_long_first_prompt(embedded_dir) -> None:
     """A prompt that reaches a worker before the fit exists is still cut to the target: with steps
     that take 1 ms a row, a 200 ms target leaves about 200 rows, not the 2048-token cap."""
     from pdserve.engine.config import for_role
+
     engine = LLMEngine(for_role(EngineConfig(model=str(embedded_dir), num_kv_blocks=256), "colocated"))
     real = engine.scheduler.observe_step
     engine.scheduler.observe_step = lambda batch, _s: real(batch, 0.001 * sum(batch.num_query_tokens))

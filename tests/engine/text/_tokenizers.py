@@ -6,6 +6,7 @@
   Chinese and emoji text, saved through ``PreTrainedTokenizerFast``.
 * ``make_variant``: a copy of a folder with edited JSON files.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,9 @@ def build_bytelevel(folder: Path) -> Path:
     tok.add_tokens(["<|tool|>"])  # a non-special added token: kept by decode
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", add_bos_token=True)
     hf.save_pretrained(str(folder))
-    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 256, "eos_token_id": 1, "bos_token_id": 0}))
+    (folder / "config.json").write_text(
+        json.dumps({"max_position_embeddings": 256, "eos_token_id": 1, "bos_token_id": 0})
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1]}))
     return folder
 

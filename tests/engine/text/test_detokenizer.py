@@ -1,4 +1,5 @@
 """Tests for pdserve.engine.text.detokenizer: streaming equals one-shot decode, stop strings."""
+
 from __future__ import annotations
 
 import random
@@ -15,7 +16,14 @@ from tests.engine.text._tokenizers import (  # noqa: F401  (pytest fixtures)
     stories_dir,
 )
 
-CJK_EMOJI = ["你好世界", "今天天气很好，我们去公园玩吧。", "😀😃🎉👍", "猫🐱狗🐶 and 鸟", "👨‍👩‍👧 家庭", "ｆｕｌｌ　ｗｉｄｔｈ"]
+CJK_EMOJI = [
+    "你好世界",
+    "今天天气很好，我们去公园玩吧。",
+    "😀😃🎉👍",
+    "猫🐱狗🐶 and 鸟",
+    "👨‍👩‍👧 家庭",
+    "ｆｕｌｌ　ｗｉｄｔｈ",
+]
 
 
 def chunks(ids, how, rng):
@@ -25,7 +33,7 @@ def chunks(ids, how, rng):
     out, i = [], 0
     while i < len(ids):
         size = rng.choice([0, 1, 1, 2, 3, 5, 9]) if how == "random" else how
-        out.append(list(ids[i:i + size]))
+        out.append(list(ids[i : i + size]))
         i += size
     return out
 
@@ -42,11 +50,21 @@ def tok(any_dir):
 
 
 # Synthetic decoders built on the stories vocabulary.
-_METASPACE = {"type": "Sequence", "decoders": [
-    {"type": "ByteFallback"}, {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}]}
-_STRIP_PER_TOKEN = {"type": "Sequence", "decoders": [
-    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "Strip", "content": " ", "start": 1,
-                                                                      "stop": 0}, {"type": "ByteFallback"}]}
+_METASPACE = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "ByteFallback"},
+        {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False},
+    ],
+}
+_STRIP_PER_TOKEN = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        {"type": "ByteFallback"},
+    ],
+}
 _UNKNOWN = {"type": "BPEDecoder", "suffix": "e"}  # not windowable: exercises the decode-everything path
 
 
@@ -131,6 +149,7 @@ def test_invalid_bytes_become_replacement_at_finish(tok):
 
 def test_window_stays_bounded(tok):
     """Each add() decodes a bounded window, not the whole output."""
+
     class Recorder:
         def __init__(self, inner):
             self.inner, self.longest = inner, 0
@@ -142,9 +161,14 @@ def test_window_stays_bounded(tok):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    watched = Tokenizer(Recorder(tok.backend), content_hash=tok.content_hash, eos_token_ids=tok.eos_token_ids,
-                        bos_token_id=tok.bos_token_id, model_max_length=tok.model_max_length,
-                        decoder_config=tok.decoder_config)
+    watched = Tokenizer(
+        Recorder(tok.backend),
+        content_hash=tok.content_hash,
+        eos_token_ids=tok.eos_token_ids,
+        bos_token_id=tok.bos_token_id,
+        model_max_length=tok.model_max_length,
+        decoder_config=tok.decoder_config,
+    )
     ids = tok.encode("Once upon a time there was a girl. 她很开心 😀! " * 80)
     assert len(ids) > 2000
     det, pieces, tail = stream(watched, ids, 1)
@@ -153,6 +177,7 @@ def test_window_stays_bounded(tok):
 
 
 # ---------------------------------------------------------------- stop strings
+
 
 def test_stop_single(tok):
     ids = tok.encode("Once upon a time there was a girl")
@@ -180,7 +205,7 @@ def test_stop_first_completed_wins(tok):
 def _reference_stop(full, stops):
     """Text before the stop occurrence that ends first (ties: starts first), and whether one occurred."""
     hits = [(i + len(s), i) for s in stops if s for i in (full.find(s),) if i >= 0]
-    return (full[:min(hits)[1]], True) if hits else (full, False)
+    return (full[: min(hits)[1]], True) if hits else (full, False)
 
 
 def test_stop_matches_reference_for_any_chunking(tok):
@@ -193,7 +218,7 @@ def test_stop_matches_reference_for_any_chunking(tok):
         for _ in range(rng.randint(1, 3)):
             if full and rng.random() < 0.7:
                 a = rng.randrange(len(full))
-                stops.append(full[a:a + rng.randint(1, 6)])
+                stops.append(full[a : a + rng.randint(1, 6)])
             else:
                 stops.append(rng.choice(["zz", "Once upon a day", "猫猫", "😀😀😀", " and the"]))
         expected, found = _reference_stop(full, stops)
@@ -213,8 +238,8 @@ def test_stop_spanning_tokens(tok):
             stopped_at = n
     assert det.stopped and "".join(out) == det.text == "Lily and "
     # the stop string spans several tokens and is recognised on the token that completes it
-    assert "Tom went to" not in tok.decode(ids[:stopped_at]) and "Tom went to" in tok.decode(ids[:stopped_at + 1])
-    assert "Tom" in tok.decode(ids[:stopped_at - 1])
+    assert "Tom went to" not in tok.decode(ids[:stopped_at]) and "Tom went to" in tok.decode(ids[: stopped_at + 1])
+    assert "Tom" in tok.decode(ids[: stopped_at - 1])
     assert det.finish() == ""
 
 
@@ -260,7 +285,7 @@ def test_holdback_released_when_match_fails(tok):
         if det.stopped:
             break
         assert plain.text.startswith(det.text)
-        withheld = plain.text[len(det.text):]
+        withheld = plain.text[len(det.text) :]
         assert any(s.startswith(withheld) for s in stop)
         held_seen |= bool(withheld)
     assert held_seen and det.stopped

@@ -1,4 +1,5 @@
 """Tests for pdserve.engine.text.tokenizer: parity with transformers.AutoTokenizer."""
+
 from __future__ import annotations
 
 import hashlib
@@ -85,11 +86,16 @@ def test_decode_random_ids_matches_autotokenizer(any_dir):
 
 _BOS_EOS_PP = {
     "type": "TemplateProcessing",
-    "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-               {"SpecialToken": {"id": "<|eos|>", "type_id": 0}}],
+    "single": [
+        {"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "<|eos|>", "type_id": 0}},
+    ],
     "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-    "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]},
-                       "<|eos|>": {"id": "<|eos|>", "ids": [1], "tokens": ["<|eos|>"]}},
+    "special_tokens": {
+        "<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]},
+        "<|eos|>": {"id": "<|eos|>", "ids": [1], "tokens": ["<|eos|>"]},
+    },
 }
 
 # With a tokenizer.json present, transformers v5 lets its post-processor alone decide
@@ -118,8 +124,15 @@ def test_bos_rules_match_autotokenizer(bytelevel_dir, tmp_path, name):
         assert ids.count(1) == int(has_eos) and (ids[-1:] == [1]) == has_eos
 
 
-@pytest.mark.parametrize("tc", [{"add_bos_token": ...}, {"add_bos_token": False}, {"tokenizer_class": "LlamaTokenizer"},
-                                {"tokenizer_class": "LlamaTokenizerFast", "add_eos_token": True}])
+@pytest.mark.parametrize(
+    "tc",
+    [
+        {"add_bos_token": ...},
+        {"add_bos_token": False},
+        {"tokenizer_class": "LlamaTokenizer"},
+        {"tokenizer_class": "LlamaTokenizerFast", "add_eos_token": True},
+    ],
+)
 def test_stories_config_flags_keep_single_bos(stories_dir, tmp_path, tc):
     folder = make_variant(stories_dir, tmp_path / "s", tokenizer_config=tc)
     ours, ref = Tokenizer.from_folder(folder), hf(folder)
@@ -143,24 +156,38 @@ def test_special_token_missing_from_tokenizer_json_is_added(bytelevel_dir, tmp_p
 
 
 def test_eos_ids_union(bytelevel_dir, tmp_path):
-    folder = make_variant(bytelevel_dir, tmp_path / "eos", config={"eos_token_id": 5},
-                          generation_config={"eos_token_id": [1, 7]})
+    folder = make_variant(
+        bytelevel_dir, tmp_path / "eos", config={"eos_token_id": 5}, generation_config={"eos_token_id": [1, 7]}
+    )
     assert Tokenizer.from_folder(folder).eos_token_ids == frozenset({1, 5, 7})
-    folder = make_variant(bytelevel_dir, tmp_path / "eos2", config={"eos_token_id": [9, 10]},
-                          generation_config={"eos_token_id": 11}, tokenizer_config={"eos_token": ...})
+    folder = make_variant(
+        bytelevel_dir,
+        tmp_path / "eos2",
+        config={"eos_token_id": [9, 10]},
+        generation_config={"eos_token_id": 11},
+        tokenizer_config={"eos_token": ...},
+    )
     assert Tokenizer.from_folder(folder).eos_token_ids == frozenset({9, 10, 11})
 
 
 def test_bos_falls_back_to_config(bytelevel_dir, tmp_path):
-    folder = make_variant(bytelevel_dir, tmp_path / "b", tokenizer_config={"bos_token": ...}, config={"bos_token_id": 0})
+    folder = make_variant(
+        bytelevel_dir, tmp_path / "b", tokenizer_config={"bos_token": ...}, config={"bos_token_id": 0}
+    )
     assert Tokenizer.from_folder(folder).bos_token_id == 0
-    folder = make_variant(bytelevel_dir, tmp_path / "c", tokenizer_config={"bos_token": ...}, config={"bos_token_id": ...})
+    folder = make_variant(
+        bytelevel_dir, tmp_path / "c", tokenizer_config={"bos_token": ...}, config={"bos_token_id": ...}
+    )
     assert Tokenizer.from_folder(folder).bos_token_id is None
 
 
 def test_max_len_fallback_and_error(bytelevel_dir, tmp_path):
-    folder = make_variant(bytelevel_dir, tmp_path / "m", config={"max_position_embeddings": ...},
-                          tokenizer_config={"model_max_length": 777})
+    folder = make_variant(
+        bytelevel_dir,
+        tmp_path / "m",
+        config={"max_position_embeddings": ...},
+        tokenizer_config={"model_max_length": 777},
+    )
     assert Tokenizer.from_folder(folder).max_model_len == 777
     folder = make_variant(bytelevel_dir, tmp_path / "n", config={"max_position_embeddings": ...})
     with pytest.raises(TokenizerError, match="max_position_embeddings"):
