@@ -74,7 +74,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         while True:
             preempt = time.monotonic() - start > ADMIT_PREEMPT_AFTER_S
             try:
-                seq = await asyncio.wrap_future(self.host.loop.submit(lambda e: e.admit_kv(payload, preempt)))
+                seq = await asyncio.wrap_future(
+                    self.host.loop.submit(lambda e, preempt=preempt: e.admit_kv(payload, preempt))
+                )
                 break
             except KvCacheFullError as exc:
                 if fut.done() or time.monotonic() > deadline:

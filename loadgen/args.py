@@ -156,8 +156,9 @@ def fall_back_without_datasets(args) -> str | None:
     args.input_len = args.input_len or SYNTHETIC_INPUT_LEN
     args.output_len = args.output_len or SYNTHETIC_OUTPUT_LEN
     return (
-        f"no datasets folder found (--datasets-dir, $PDSERVE_DATASETS, ./shared/datasets or ../shared/datasets): running a "
-        f"synthetic workload instead: {args.arrival} arrivals, random-token prompts of {args.input_len} tokens, "
+        "no datasets folder found (--datasets-dir, $PDSERVE_DATASETS, ./shared/datasets or "
+        f"../shared/datasets): running a synthetic workload instead: {args.arrival} arrivals, "
+        f"random-token prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each (trace options such as --length-scale do not apply); name "
         f"--trace, --arrival trace or a prompt set to insist on a dataset"
     )

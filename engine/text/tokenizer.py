@@ -68,7 +68,8 @@ def _ids(value: Any) -> set[int]:
 
 
 class Tokenizer:
-    """Torch-free tokenizer over a Hugging Face model folder (tokenizer.json + tokenizer_config.json + generation_config.json + config.json).
+    """Torch-free tokenizer over a Hugging Face model folder (tokenizer.json,
+    tokenizer_config.json, generation_config.json, config.json).
 
     Build it with :meth:`from_folder`.  Attributes: ``eos_token_ids`` (frozenset),
     ``bos_token_id`` (int or None), ``vocab_size`` (incl. added tokens),

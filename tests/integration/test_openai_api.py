@@ -213,17 +213,19 @@ async def test_http_timings_say_where_the_prompt_was_prefilled(embedded_dir):
     """The ``pdserve`` timings carry the gRPC Timings' prefilled_on_decode and cached_prompt_tokens."""
     long = [(7 * i) % 997 + 1 for i in range(100)]
     follow_up = long[:96] + list(range(5, 15))  # 6 blocks the decode worker holds, 10 new tokens
-    async with local_pipeline(embedded_dir, "split", local_prefill_tokens=32, http=True) as pipe:
-        async with httpx.AsyncClient(base_url=pipe.http_url, timeout=60) as http:
-            body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            first = (await http.post("/v1/completions", json={**body, "prompt": long})).json()["pdserve"]
-            assert first["prefilled_on_decode"] is False and first["kv_transfer_bytes"] > 0
-            assert first["cached_prompt_tokens"] == 0
-            await asyncio.sleep(0.3)  # one stats poll: the router learns that the decode worker caches blocks
-            events = await sse_events(http, {**body, "prompt": follow_up})
-            again = events[-1]["pdserve"]
-            assert again["prefilled_on_decode"] is True and again["kv_transfer_bytes"] == 0
-            assert again["cached_prompt_tokens"] == 96
+    async with (
+        local_pipeline(embedded_dir, "split", local_prefill_tokens=32, http=True) as pipe,
+        httpx.AsyncClient(base_url=pipe.http_url, timeout=60) as http,
+    ):
+        body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        first = (await http.post("/v1/completions", json={**body, "prompt": long})).json()["pdserve"]
+        assert first["prefilled_on_decode"] is False and first["kv_transfer_bytes"] > 0
+        assert first["cached_prompt_tokens"] == 0
+        await asyncio.sleep(0.3)  # one stats poll: the router learns that the decode worker caches blocks
+        events = await sse_events(http, {**body, "prompt": follow_up})
+        again = events[-1]["pdserve"]
+        assert again["prefilled_on_decode"] is True and again["kv_transfer_bytes"] == 0
+        assert again["cached_prompt_tokens"] == 96
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -237,14 +239,16 @@ async def test_a_client_that_drops_the_stream_frees_every_kv_block(embedded_dir,
             "temperature": 0,
             "stream": True,
         }
-        async with httpx.AsyncClient(base_url=pipe.http_url, timeout=30) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                events = 0
-                async for line in r.aiter_lines():
-                    events += line.startswith("data: ")
-                    if events == 3:
-                        break
+        async with (
+            httpx.AsyncClient(base_url=pipe.http_url, timeout=30) as http,
+            http.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            events = 0
+            async for line in r.aiter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break
         assert await pipe.wait_idle() == 0
         ok = await sdk(pipe).completions.create(model="test-model", prompt="hi", max_tokens=2)
         assert ok.usage.completion_tokens == 2

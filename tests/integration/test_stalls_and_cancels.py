@@ -60,8 +60,9 @@ async def test_a_stream_without_tokens_past_the_bound_is_logged_counted_and_reco
 
 async def test_every_client_cancel_is_counted_as_an_abort(embedded_dir, monkeypatch):
     """Clients cancel 12 streams the router has received: while their prompt is tokenized, before
-    the first token, right after it, and mid-stream. The router's requests_total{finish_reason="abort"} rises by exactly 12 (a
-    cancel that reaches the server before the request does is a request it never saw)."""
+    the first token, right after it, and mid-stream. The router's
+    requests_total{finish_reason="abort"} rises by exactly 12 (a cancel that reaches the server
+    before the request does is a request it never saw)."""
     async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
         core = pipe.router.core
         before = sample(core, "pdserve:requests_total", {"finish_reason": "abort"})

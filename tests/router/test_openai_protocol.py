@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -140,7 +141,7 @@ def test_the_validator_is_told_what_this_api_calls_the_fields():
 @pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "a\\ud800b", "\\ud800\\u0041"])
 def test_a_lone_surrogate_is_named_as_such(escape):
     with pytest.raises(BadRequest) as info:
-        parse_json(CompletionRequest, '{"prompt": "%s"}' % escape)
+        parse_json(CompletionRequest, f'{{"prompt": "{escape}"}}')
     assert str(info.value).startswith("the request body has a lone UTF-16 surrogate escape")
     assert "at line 1 column" in str(info.value) and "valid Unicode" in str(info.value)
     assert parse_json(CompletionRequest, '{"prompt": "\\ud83d\\ude00"}').prompt == "\U0001f600"  # a pair is fine
@@ -217,7 +218,9 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(field, valu
         ChatRequest(messages=[{"role": "user", "content": "hi"}], **{field: value}),
     ):
         make = (
-            req.to_generate_request if isinstance(req, CompletionRequest) else (lambda: req.to_generate_request([1, 2]))
+            req.to_generate_request
+            if isinstance(req, CompletionRequest)
+            else functools.partial(req.to_generate_request, [1, 2])
         )
         with pytest.raises(BadRequest) as info:
             make()

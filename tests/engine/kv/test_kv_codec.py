@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pdserve.engine.kv.codec import (
-    FORMAT_VERSION,
     KvCodecError,
     KvDecoder,
     KvLimits,
@@ -20,6 +19,7 @@ from pdserve.engine.kv.codec import (
     pack_kv,
     unpack_kv,
 )
+from pdserve.engine.kv.frame_header import FORMAT_VERSION
 from pdserve.engine.kv.framing import FrameAssembler, iter_chunks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

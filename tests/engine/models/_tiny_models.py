@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-REPO = Path(__file__).resolve().parents[2]
-STORIES = REPO.parent / "shared" / "models" / "stories260K-hf"
+from tests.conftest import STORIES
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VOCAB = 512
 

@@ -24,8 +24,7 @@ from pdserve.engine.models.embedded import (
     param_count,
     resolve_embedded,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 SAMPLES = [
     "hi",
@@ -83,7 +82,7 @@ def test_folder_layout_and_config(tiny_dir):
 
 def test_build_is_deterministic_across_processes(tiny_dir, tmp_path):
     # Second build in a fresh process with single-threaded torch/rayon.
-    env = dict(os.environ, RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     code = (
         "import sys; from pdserve.engine.models.embedded import embedded_model_dir as f; print(f('tiny', sys.argv[1]))"
     )
@@ -243,7 +242,7 @@ RACE_CHILD = textwrap.dedent(
 
 def test_concurrent_build_race(tmp_path, tiny_dir):
     cache, go = tmp_path / "cache", tmp_path / "go"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RACE_CHILD, str(cache), str(go)],
@@ -258,7 +257,7 @@ def test_concurrent_build_race(tmp_path, tiny_dir):
     cache.mkdir()
     go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
     lines = [out.strip().splitlines() for out, _ in outs]
     paths = {Path(ls[-1]) for ls in lines}
@@ -282,7 +281,7 @@ def test_llama_80m(tmp_path):
 
     total = 0
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not __iter__)
             total += math.prod(f.get_slice(name).get_shape())
     assert total == param_count(preset, cfg["vocab_size"])
     assert 70e6 < total < 95e6

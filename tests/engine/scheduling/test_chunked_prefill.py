@@ -153,7 +153,7 @@ def test_chunked_greedy_equals_prefill_first(embedded_dir, prompts, backend) -> 
         cut = []
         original = chunked.runner.run
 
-        def spy(batch, original=original):
+        def spy(batch, original=original, cut=cut):
             cut.extend(
                 n for s, n in zip(batch.seqs, batch.num_query_tokens) if s.num_computed_tokens + n < s.num_tokens
             )

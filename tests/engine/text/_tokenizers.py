@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-STORIES = REPO.parent / "shared" / "models" / "stories260K-hf"
+from tests.conftest import STORIES
 
 TRAIN_TEXTS = [
     "Once upon a time there was a little girl named Lily. She liked to play in the park.",
@@ -94,18 +93,3 @@ def make_variant(src: Path, dst: Path, **edits: dict) -> Path:
                 data[key] = value
         path.write_text(json.dumps(data, ensure_ascii=False))
     return dst
-
-
-@pytest.fixture(scope="session")
-def stories_dir() -> Path:
-    return stories_folder()
-
-
-@pytest.fixture(scope="session")
-def bytelevel_dir(tmp_path_factory) -> Path:
-    return build_bytelevel(tmp_path_factory.mktemp("bytelevel"))
-
-
-@pytest.fixture(scope="session", params=["stories", "bytelevel"])
-def any_dir(request) -> Path:
-    return request.getfixturevalue(f"{request.param}_dir")

@@ -8,12 +8,9 @@ import pytest
 
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.tokenizer import Tokenizer, TokenizerError
-from tests.engine.text._tokenizers import (  # noqa: F401  (pytest fixtures)
+from tests.engine.text._tokenizers import (
     SAMPLE_TEXTS,
-    any_dir,
-    bytelevel_dir,
     make_variant,
-    stories_dir,
 )
 
 CJK_EMOJI = [

@@ -11,13 +11,10 @@ import textwrap
 import pytest
 
 from pdserve.engine.text.tokenizer import Tokenizer, TokenizerError
-from tests.engine.text._tokenizers import (  # noqa: F401  (pytest fixtures)
-    REPO,
+from tests.conftest import REPO
+from tests.engine.text._tokenizers import (
     SAMPLE_TEXTS,
-    any_dir,
-    bytelevel_dir,
     make_variant,
-    stories_dir,
 )
 
 transformers = pytest.importorskip("transformers")
