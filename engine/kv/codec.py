@@ -16,26 +16,34 @@ A frame may be held as one buffer or as a sequence of consecutive parts (:data:`
 :class:`KvDecoder` (behind :func:`unpack_kv`) checks, checksums and copies the bytes piece by piece
 as they arrive.  A hand-off so copies the tensor bytes only into the transport messages and into the
 decoded tensor, and the receiver refuses a bad header before the tensor bytes travel.
+
+The header's layout constants, :class:`KvLimits` and the header checks are in
+:mod:`pdserve.engine.kv.frame_header`; this module encodes payloads and decodes whole frames.
 """
 
 from __future__ import annotations
 
-import math
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import msgpack
 import torch
 from isal.isal_zlib import crc32  # exactly zlib.crc32's values, ~6x faster here
 
-from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, _is_int
+from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint
+from pdserve.engine.kv.frame_header import (
+    DTYPES,
+    FORMAT_VERSION,
+    MAGIC,
+    PREFIX_BYTES,
+    PREFIX_STRUCT,
+    KvLimits,
+    check_kv_prefix,
+    check_shape,
+    parse_header,
+)
 
 __all__ = [
-    "FORMAT_VERSION",
-    "MAGIC",
-    "PREFIX_BYTES",
     "Buffer",
     "Frame",
     "KvCodecError",
@@ -50,38 +58,9 @@ __all__ = [
     "unpack_kv",
 ]
 
-FORMAT_VERSION = 2  # 2: the KV may start after a prefix the receiver holds (kv_start, prefix_hashes)
-MAGIC = b"PDKV"
-_PREFIX = struct.Struct("<4sI")
-PREFIX_BYTES = _PREFIX.size  # 8
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-Buffer = Union[bytes, bytearray, memoryview]
-Frame = Union[Buffer, Sequence[Buffer]]  # one buffer, or the frame's bytes as consecutive parts
+Buffer = bytes | bytearray | memoryview
+Frame = Buffer | Sequence[Buffer]  # one buffer, or the frame's bytes as consecutive parts
 _SLICE = 1 << 20  # tensor bytes are checksummed then copied in slices of this size, still in cache for the copy
-_HEADER_TYPES: dict[str, type] = {
-    "request_id": str,
-    "fingerprint": dict,
-    "dtype": str,
-    "shape": list,
-    "token_ids": list,
-    "first_token": int,
-    "first_token_unix_ns": int,
-    "sampling": dict,
-    "nbytes": int,
-    "checksum": int,
-    "kv_start": int,
-    "prefix_hashes": list,
-}
-PREFIX_HASH_BYTES = 16  # engine/scheduling/prefix_hash.py
-
-
-@dataclass(frozen=True)
-class KvLimits:
-    """Bounds a receiver enforces before allocating: sizes in bytes, token count of the KV tensor."""
-
-    max_header_bytes: int = 1 << 20
-    max_tensor_bytes: int = 4 << 30
-    max_tokens: int = 1 << 20
 
 
 @dataclass
@@ -108,25 +87,6 @@ class KvPayload:
     prefix_hashes: list[bytes] = field(default_factory=list)
 
 
-def _check_shape(shape: list, fp: ModelFingerprint, num_tokens: int) -> None:
-    if len(shape) != 5 or not all(_is_int(s) for s in shape):
-        raise KvCodecError(f"shape must be 5 ints [layers, 2, tokens, kv_heads, head_dim], got {shape}")
-    want = [fp.num_layers, 2, num_tokens, fp.num_kv_heads, fp.head_dim]
-    if list(shape) != want:
-        raise KvCodecError(f"shape {list(shape)} does not match fingerprint/token count {want}")
-    if num_tokens < 1:
-        raise KvCodecError("payload carries no tokens")
-
-
-def _check_prefix(kv_start: int, hashes: list, fp: ModelFingerprint, num_tokens: int) -> None:
-    if num_tokens and not 0 <= kv_start < num_tokens:  # (no tokens at all: _check_shape says so)
-        raise KvCodecError(f"kv_start {kv_start} outside [0, {num_tokens})")
-    if kv_start != len(hashes) * fp.block_size:
-        raise KvCodecError(f"kv_start {kv_start} is not {len(hashes)} prefix blocks of {fp.block_size} tokens")
-    if not all(isinstance(h, bytes) and len(h) == PREFIX_HASH_BYTES for h in hashes):
-        raise KvCodecError(f"prefix_hashes must be {PREFIX_HASH_BYTES}-byte strings")
-
-
 def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
     """Serialise ``payload`` as two parts, ``(prefix + header, tensor bytes)``; the frame is their
     concatenation.
@@ -137,11 +97,11 @@ def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
     if a header field cannot be encoded by msgpack.
     """
     fp = payload.fingerprint
-    if payload.kv.dtype != _DTYPES.get(fp.dtype):
+    if payload.kv.dtype != DTYPES.get(fp.dtype):
         raise KvCodecError(f"kv dtype {payload.kv.dtype} does not match fingerprint dtype {fp.dtype!r}")
     token_ids = [int(t) for t in payload.token_ids]
-    _check_prefix(payload.kv_start, payload.prefix_hashes, fp, len(token_ids))
-    _check_shape(list(payload.kv.shape), fp, len(token_ids) - payload.kv_start)
+    check_kv_prefix(payload.kv_start, payload.prefix_hashes, fp, len(token_ids))
+    check_shape(list(payload.kv.shape), fp, len(token_ids) - payload.kv_start)
     flat = payload.kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     data = memoryview(flat.numpy()).toreadonly()
     header = {
@@ -163,7 +123,7 @@ def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
         hdr = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise KvCodecError(f"header not encodable: {e}") from e
-    return _PREFIX.pack(MAGIC, len(hdr)) + hdr, data
+    return PREFIX_STRUCT.pack(MAGIC, len(hdr)) + hdr, data
 
 
 def pack_kv(payload: KvPayload) -> bytes:
@@ -180,59 +140,6 @@ def frame_parts(frame: Frame) -> list[memoryview]:
     """``frame`` as a list of flat byte views (one for a single buffer), empty parts dropped."""
     parts = [frame] if isinstance(frame, (bytes, bytearray, memoryview)) else frame
     return [mv for mv in map(_as_bytes_view, parts) if len(mv)]
-
-
-def _parse_header(raw: Buffer, expected: ModelFingerprint, limits: KvLimits) -> dict:
-    """Decode and check a header (see :func:`unpack_kv`); adds the parsed ``fingerprint`` and ``torch_dtype``."""
-    hlen = len(raw)
-    try:  # every msgpack element takes >= 1 byte (map entries >= 2): bound all lengths by hlen
-        header = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=hlen,
-            max_bin_len=hlen,
-            max_array_len=hlen,
-            max_map_len=hlen // 2,
-            max_ext_len=0,
-        )
-    except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise KvCodecError(f"malformed header: {type(e).__name__}: {e}") from e
-    if not isinstance(header, dict):
-        raise KvCodecError(f"header is not a map (got {type(header).__name__})")
-    version = header.get("version")
-    if version != FORMAT_VERSION or not _is_int(version):
-        raise KvCodecError(f"unsupported format version {version!r} (expected {FORMAT_VERSION})")
-    for key, typ in _HEADER_TYPES.items():
-        if key not in header:
-            raise KvCodecError(f"header missing key {key!r}")
-        v = header[key]
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise KvCodecError(f"header key {key!r} must be {typ.__name__}, got {type(v).__name__}")
-    token_ids = header["token_ids"]
-    if not all(_is_int(t) for t in token_ids):
-        raise KvCodecError("header token_ids must all be ints")
-    fp = header["fingerprint"] = ModelFingerprint.from_dict(header["fingerprint"])
-    if diffs := fp.mismatches(expected):
-        raise KvCodecError("model fingerprint mismatch: " + "; ".join(diffs))
-    dtype_name = header["dtype"]
-    if dtype_name not in _DTYPES:
-        raise KvCodecError(f"unsupported dtype {dtype_name!r}")
-    if dtype_name != fp.dtype:
-        raise KvCodecError(f"dtype {dtype_name} does not match fingerprint dtype {fp.dtype}")
-    dtype = header["torch_dtype"] = _DTYPES[dtype_name]
-    shape = header["shape"]
-    _check_prefix(header["kv_start"], header["prefix_hashes"], fp, len(token_ids))
-    _check_shape(shape, fp, len(token_ids) - header["kv_start"])
-    if shape[2] > limits.max_tokens:
-        raise KvCodecError(f"too many tokens: {shape[2]} > limit {limits.max_tokens}")
-    nbytes = header["nbytes"]
-    want_nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes != want_nbytes:
-        raise KvCodecError(f"nbytes {nbytes} != {want_nbytes} implied by shape {shape} and dtype {dtype_name}")
-    if nbytes > limits.max_tensor_bytes:
-        raise KvCodecError(f"tensor too large: {nbytes} bytes > limit {limits.max_tensor_bytes}")
-    return header
 
 
 class KvDecoder:
@@ -289,7 +196,7 @@ class KvDecoder:
             self._got += len(piece)
 
     def _check_prefix(self) -> int:
-        magic, hlen = _PREFIX.unpack(self._head)
+        magic, hlen = PREFIX_STRUCT.unpack(self._head)
         if magic != MAGIC:
             raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
         if hlen > self._limits.max_header_bytes:
@@ -297,9 +204,9 @@ class KvDecoder:
         return hlen
 
     def _start_body(self) -> None:
-        self._header = _parse_header(memoryview(self._head)[PREFIX_BYTES:], self._expected, self._limits)
+        self._header = parse_header(memoryview(self._head)[PREFIX_BYTES:], self._expected, self._limits)
         self._head = bytearray()
-        self._buf = self._alloc(self._header["nbytes"])  # size checked by _parse_header
+        self._buf = self._alloc(self._header["nbytes"])  # size checked by parse_header
         self._dst = memoryview(self._buf.numpy())
 
     def finish(self) -> KvPayload:

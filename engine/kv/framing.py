@@ -8,17 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from pdserve.engine.kv.codec import (
-    _PREFIX,
-    MAGIC,
-    PREFIX_BYTES,
-    Buffer,
-    Frame,
-    KvCodecError,
-    KvLimits,
-    _as_bytes_view,
-    frame_parts,
-)
+from pdserve.engine.kv.codec import Buffer, Frame, KvCodecError, KvLimits, _as_bytes_view, frame_parts
+from pdserve.engine.kv.frame_header import MAGIC, PREFIX_BYTES, PREFIX_STRUCT
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # measured fastest on loopback gRPC; 4 MiB messages were slower
 
@@ -69,7 +60,7 @@ class FrameAssembler:
         if len(self._head) < PREFIX_BYTES:
             head = self._head + bytes(mv[: PREFIX_BYTES - len(self._head)])
             if len(head) == PREFIX_BYTES:
-                magic, hlen = _PREFIX.unpack(head)
+                magic, hlen = PREFIX_STRUCT.unpack(head)
                 if magic != MAGIC:
                     raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
                 if hlen > self._limits.max_header_bytes:
