@@ -104,22 +104,21 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 
 
 # Step token budgets by worker role when --max-num-batched-tokens is not given. Prefill workers
-# decode nothing: 2048 keeps throughput within 1% of whole-prompt batches (8 prompts of 256 tokens,
-# llama-80m, 2 cores) while a long prompt still cannot hold short ones back by more than one step.
-# A colocated worker interleaves decode, so each step is an inter-token gap of every decoding
-# sequence, and a fixed token count is the wrong unit: a 256-token chunk took 110 ms on a core with
-# bfloat16 matmul and 0.9-1.7 s (more with context) on an AVX2 core in float32. Unless a budget is
-# given, it sizes chunks to DEFAULT_TARGET_ITL_MS instead (StepTimeModel), within 2048 tokens.
+# decode nothing: 2048 tokens a step keeps their throughput close to whole-prompt batches while a
+# long prompt still cannot hold short ones back by more than one step. A colocated worker
+# interleaves decode, so each step is an inter-token gap of every decoding sequence, and a fixed
+# token count is the wrong unit (the same chunk costs ten times more on some CPUs than on others).
+# Unless a budget is given, it sizes chunks to DEFAULT_TARGET_ITL_MS instead (StepTimeModel),
+# within 2048 tokens. The target is a reading-speed token rate (5 tokens/s); DistServe's chat TPOT
+# SLOs are 0.1-0.2 s.
 DEFAULT_TOKEN_BUDGET = {"colocated": 2048, "prefill": 2048, "decode": 2048}
-DEFAULT_TARGET_ITL_MS = {
-    "colocated": 200.0
-}  # a reading-speed token rate (5 tokens/s); DistServe's chat TPOT SLOs are 0.1-0.2 s
+DEFAULT_TARGET_ITL_MS = {"colocated": 200.0}
 UNCHUNKED_TOKEN_BUDGET = 4096
 
 
 def for_role(cfg: EngineConfig, role: str) -> EngineConfig:
-    """``cfg`` with ``role``'s defaults where it sets none: without chunked prefill, the prefill
-    batch bound of before (``UNCHUNKED_TOKEN_BUDGET``); with it, ``DEFAULT_TOKEN_BUDGET[role]`` and,
+    """``cfg`` with ``role``'s defaults where it sets none: without chunked prefill, a batch of
+    whole prompts up to ``UNCHUNKED_TOKEN_BUDGET`` tokens; with it, ``DEFAULT_TOKEN_BUDGET[role]`` and,
     unless a token budget was given (vLLM's rule exactly), ``DEFAULT_TARGET_ITL_MS[role]``."""
     from dataclasses import replace
 

@@ -102,8 +102,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-chunked-prefill",
         dest="chunked_prefill",
         action="store_false",
-        help="prefill whole prompts in steps of their own (decode waits for them), as before "
-        "chunked prefill; for comparison",
+        help="prefill whole prompts in steps of their own (decode waits for them); for comparison with chunked prefill",
     )
     parser.add_argument(
         "--target-itl-ms",

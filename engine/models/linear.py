@@ -1,11 +1,10 @@
 """Linear layers whose weights are laid out once, at load time, for the device's fastest GEMM.
 
 On CPU, oneDNN's packed (blocked) weight format lets ``torch.ops.mkldnn._linear_pointwise`` skip the
-per-call reorder that ``F.linear`` pays; on this project's 2-core x86 machines that measured 1.3-3x
-faster in bfloat16 at 1-32 rows and 2.5x in float32 (``benchmarks/linear_probe.py``). These are the
-ops Inductor's freezing pass emits (``torch/_inductor/fx_passes/mkldnn_fusion.py``). Everywhere
-else, and for dtypes oneDNN cannot pack on this CPU (float16 without AVX512-FP16), the weight stays
-a plain tensor for ``F.linear``.
+per-call reorder that ``F.linear`` pays, which matters most at decode's small row counts (figures:
+docs/measurements.md). These are the ops Inductor's freezing pass emits
+(``torch/_inductor/fx_passes/mkldnn_fusion.py``). Everywhere else, and for dtypes oneDNN cannot
+pack on this CPU (float16 without AVX512-FP16), the weight stays a plain tensor for ``F.linear``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ inter-token latency target instead of a fixed token count.
 A step that decodes ``d`` sequences and computes ``p`` prompt tokens takes about
 ``a + c * d + b * p`` seconds (the weights read once per step, a per-row decode cost with its KV
 read, a per-token prefill cost). The three coefficients are fitted by exponentially weighted least
-squares over recent steps, so the fit follows the hardware it runs on: the same 256-token chunk
-costs ~0.1 s on a core with bfloat16 matmul and ~0.9 s on one without, and milliseconds on a GPU.
+squares over recent steps, so the fit follows the hardware it runs on: the same chunk costs about
+ten times more on a CPU core without bfloat16 matmul units than on one with them, and far less on
+a GPU.
 Sarathi-Serve (Agrawal et al., OSDI 2024) picks the token budget from the time-between-tokens SLO
 by offline profiling; this does it online.
 """
