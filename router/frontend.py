@@ -15,9 +15,10 @@ import grpc
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.router.backends import ColocatedBackend, RequestState, SplitBackend
+from pdserve.router.backends import ColocatedBackend, RequestState
 from pdserve.router.pool import NoWorkerAvailable, Overloaded, WorkerPool
 from pdserve.router.prometheus import RouterMetrics
+from pdserve.router.split_backend import SplitBackend
 from pdserve.router.validation import InvalidRequest, sampling_defaults, validate
 from pdserve.rpc.auth import bearer, key_index
 from pdserve.v1 import generate_pb2

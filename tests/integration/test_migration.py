@@ -10,8 +10,8 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.router.backends import MAX_MIGRATIONS
 from pdserve.router.client import Client, make_request
+from pdserve.router.split_backend import MAX_MIGRATIONS
 from pdserve.rpc.auth import SECRET_ENV
 from pdserve.v1 import generate_pb2 as PB
 from tests.integration._pipeline import local_pipeline
