@@ -2,12 +2,12 @@
 becomes ``pdserve:time_to_first_token_seconds``).
 
 Request metrics are observed by the router as each request's tokens arrive and when it ends;
-per-worker gauges are read from the pool's latest GetStats poll at scrape time (every 0.1 s). Labels
-are bounded sets: ``finish_reason`` (stop, length, abort, error), ``reason`` (``REJECT_REASONS``),
-``role`` (prefill, decode, colocated) and ``worker`` (``worker_labels``: role and index, ``decode-0``). No
-request ids, and no worker addresses: the exposition names no internal host or port, and a worker's
-series keep their labels when a restarted worker replaces it. Each registry belongs to one router, so
-several routers can live in one process.
+per-worker gauges (:mod:`pdserve.router.worker_gauges`) are read from the pool's latest GetStats poll
+at scrape time (every 0.1 s). Labels are bounded sets: ``finish_reason`` (stop, length, abort, error),
+``reason`` (``REJECT_REASONS``), ``role`` (prefill, decode, colocated) and ``worker`` (``worker_labels``:
+role and index, ``decode-0``). No request ids, and no worker addresses: the exposition names no internal
+host or port, and a worker's series keep their labels when a restarted worker replaces it. Each
+registry belongs to one router, so several routers can live in one process.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.router.worker_gauges import WorkerGauges
 from pdserve.v1 import generate_pb2
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -109,53 +109,6 @@ FINISH_LABELS = {
     generate_pb2.FINISH_REASON_ABORT: "abort",
     generate_pb2.FINISH_REASON_ERROR: "error",
 }
-
-
-def worker_labels(workers) -> list[str]:
-    """The ``worker`` label of each of ``workers`` (``WorkerHandle``s, in pool order): its role and its
-    position among that role's workers, ``prefill-0``, ``decode-1``, ``colocated-0``. ``WorkerPool.replace``
-    keeps a replacement at the position of the worker it replaces, so the label outlives the address."""
-    seen: dict[str, int] = {}
-    labels = []
-    for w in workers:
-        index = seen.get(w.role, 0)
-        seen[w.role] = index + 1
-        labels.append(f"{w.role}-{index}")
-    return labels
-
-
-class _WorkerGauges:
-    """Collector of the per-worker gauges, from the pool's view at scrape time."""
-
-    def __init__(self, pool) -> None:
-        self.pool = pool
-
-    def collect(self):
-        labels = ["role", "worker"]
-        running = GaugeMetricFamily(
-            "pdserve:num_requests_running", "Sequences in the worker's running batch.", labels=labels
-        )
-        waiting = GaugeMetricFamily(
-            "pdserve:num_requests_waiting",
-            "Sequences waiting for prefill or for their KV cache on the worker.",
-            labels=labels,
-        )
-        usage = GaugeMetricFamily(
-            "pdserve:kv_cache_usage_perc", "Fraction of the worker's KV cache blocks in use (1 = full).", labels=labels
-        )
-        healthy = GaugeMetricFamily(
-            "pdserve:worker_healthy",
-            "1 when the worker answers its stats polls and takes requests, else 0.",
-            labels=labels,
-        )
-        workers = list(self.pool.workers)
-        for w, label in zip(workers, worker_labels(workers)):
-            key = [w.role, label]
-            running.add_metric(key, w.num_running)
-            waiting.add_metric(key, w.num_waiting)
-            usage.add_metric(key, w.used_kv_blocks / w.total_kv_blocks if w.total_kv_blocks else 0.0)
-            healthy.add_metric(key, 1.0 if w.healthy else 0.0)
-        return [running, waiting, usage, healthy]
 
 
 class RouterMetrics:
@@ -267,7 +220,7 @@ class RouterMetrics:
             self.rejections.labels(reason)
         for stage in WAIT_STAGES:
             self.wait.labels(stage)
-        r.register(_WorkerGauges(pool))
+        r.register(WorkerGauges(pool))
 
     def token_arrival(self, gap_ns: int, first: bool) -> None:
         """A token message arrived ``gap_ns`` after the previous one (after receipt when ``first``)."""

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.pool import WorkerHandle, WorkerPool
-from pdserve.router.prometheus import RouterMetrics, worker_labels
+from pdserve.router.prometheus import RouterMetrics
+from pdserve.router.worker_gauges import worker_labels
 from pdserve.v1 import generate_pb2
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
