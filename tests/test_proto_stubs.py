@@ -1,4 +1,5 @@
-"""The committed gRPC stubs match the .proto files, and the .proto files follow DESIGN.md §6."""
+"""The committed gRPC stubs match the .proto files, and the .proto files follow their conventions
+(docs/api.md, "Conventions of the .proto files")."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_committed_stub_is_byte_identical_to_a_fresh_one(fresh_stubs: Path, name
     assert committed.read_bytes() == (fresh_stubs / name).read_bytes(), f"{name}: {STALE}"
 
 
-# -- DESIGN.md §6: every field commented, enums start with *_UNSPECIFIED = 0 ----------------------
+# -- docs/api.md, "Conventions of the .proto files": every field commented, enums start with *_UNSPECIFIED = 0
 
 FIELD = re.compile(r"^(?:optional\s+|repeated\s+)?(?:map<[^>]+>|[\w.]+)\s+(\w+)\s*=\s*(\d+)\s*[;\[]")
 ENUM_VALUE = re.compile(r"^(\w+)\s*=\s*(-?\d+)\s*[;\[]")

@@ -28,10 +28,19 @@ GUARD = (
 )
 
 
+def documented_steps() -> list[str]:
+    """The shell lines of the first code block under docs/api.md's "### Calling pdserve from your own program"."""
+    doc = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    section = doc[doc.index("### Calling pdserve from your own program") :]
+    block = section[section.index("```bash\n") + len("```bash\n") : section.index("\n```", section.index("```bash"))]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines()]
+
+
 @pytest.fixture(scope="module")
 def client_dir(tmp_path_factory) -> Path:
-    """The README's steps, literally: the .proto files copied to ``protos/``, the example beside
-    them, stubs compiled there with grpcio-tools, their package made regular."""
+    """The steps of docs/api.md ("Calling pdserve from your own program"), literally: the .proto
+    files copied to ``protos/``, the example beside them, stubs compiled there with grpcio-tools,
+    their package made regular."""
     pytest.importorskip("grpc_tools")
     root = tmp_path_factory.mktemp("client")
     src = root / "protos" / "pdserve" / "v1"
@@ -50,6 +59,9 @@ def client_dir(tmp_path_factory) -> Path:
         "--grpc_python_out=.",
         "protos/pdserve/v1/generate.proto",
     ]
+    steps = documented_steps()
+    assert " ".join(["python", *cmd[1:]]) in steps, "docs/api.md's protoc line differs from the one run here"
+    assert "touch pdserve/__init__.py pdserve/v1/__init__.py" in steps
     subprocess.run(cmd, check=True, cwd=root)
     (root / "pdserve" / "__init__.py").touch()
     (root / "pdserve" / "v1" / "__init__.py").touch()

@@ -106,9 +106,11 @@ def test_the_dashboard_reads_only_metrics_the_router_exports():
     assert used <= exported, used - exported
 
 
-def test_the_readme_metrics_table_lists_every_metric_the_router_exports():
-    readme = (DASHBOARD.parents[1] / "README.md").read_text()
-    table = readme[readme.index("### Metrics") : readme.index("`docs/grafana-dashboard.json`")]
+def test_the_api_docs_metrics_table_lists_every_metric_the_router_exports():
+    api = (DASHBOARD.parent / "api.md").read_text()  # docs/api.md, section "## Metrics"
+    start = api.index("\n## Metrics\n")
+    end = api.find("\n## ", start + 1)
+    table = api[start : end if end != -1 else len(api)]
     listed = set(re.findall(r"^\| `(pdserve:[a-z0-9_]+)` \|", table, re.M))
     exported = set()
     for f in _families(RouterMetrics(_Pool())).values():  # the parser names a counter without _total
