@@ -1,4 +1,4 @@
-"""Serving metrics on synthetic timestamps (DESIGN.md §7)."""
+"""Serving metrics on synthetic timestamps (docs/benchmarking.md, "Metric definitions")."""
 
 from __future__ import annotations
 
