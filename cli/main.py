@@ -1,202 +1,25 @@
-"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput."""
+"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, soak.
+
+Each subcommand lives in its own module (``cli/serve.py``, ``cli/generate.py``, ``cli/demo.py``,
+``cli/bench.py``, ``cli/compare.py``, ``soak/trace_soak.py``) with the function that adds its parser;
+this module builds the parser from them and dispatches. ``throughput``'s parser is built here, since
+``cli/throughput.py`` loads torch and the parser is built without it.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
-import socket
 import sys
 
-from pdserve.cluster.flags import add_role_resource_args
-from pdserve.worker.flags import add_engine_args, non_negative_int, port, positive_float, positive_int
-
-DEFAULT_PORT = 50051
-DEFAULT_HTTP_PORT = 8000
-
-
-def _cluster_config(args):
-    from pdserve.cluster.config import ClusterConfig
-    from pdserve.rpc.auth import API_KEY_ENV, parse_api_keys
-    from pdserve.worker.flags import engine_config_from_args
-
-    return ClusterConfig(
-        engine=engine_config_from_args(args, device="cpu"),
-        placement=args.placement,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        cpus_per_worker=args.cpus_per_worker,
-        router_host=args.host,
-        router_port=args.port,
-        ray_address=args.address,
-        device=args.device,
-        http_port=getattr(args, "http_port", 0) or None,
-        api_keys=parse_api_keys(
-            getattr(args, "api_key", None)
-            if getattr(args, "api_key", None) is not None
-            else os.environ.get(API_KEY_ENV)
-        ),
-        max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
-        prefill_resource=args.prefill_resource,
-        decode_resource=args.decode_resource,
-        tls=_tls_files(args),
-        routing=args.routing,
-        local_prefill_tokens=args.local_prefill_tokens,
-    )
-
-
-def _tls_files(args) -> tuple[str, str] | None:
-    """(cert, key) from --tls-cert/--tls-key: both or neither; ValueError for one, or an unreadable file."""
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    if not cert and not key:
-        return None
-    if not (cert and key):
-        raise ValueError("give both --tls-cert and --tls-key")
-    for path in (cert, key):
-        with open(path, "rb"):
-            pass
-    return str(os.path.abspath(cert)), str(os.path.abspath(key))
-
-
-def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
-    """ValueError naming the port when it is taken (checked before any worker starts)."""
-    if port_number == 0:
-        return
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME-WAIT is no conflict
-        try:
-            s.bind((host, port_number))
-        except OSError as exc:
-            raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick {flag}") from exc
-
-
-def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
-    add_engine_args(p)
-    p.add_argument("--placement", choices=["split", "colocated"], default="split")
-    p.add_argument("--prefill", type=positive_int, default=1, help="prefill workers (split)")
-    p.add_argument(
-        "--decode", type=positive_int, default=1, help="decode workers (split); colocated runs prefill+decode workers"
-    )
-    p.add_argument(
-        "--cpus-per-worker", type=positive_int, default=1, help="CPUs (and torch threads) per worker without GPUs"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--port", type=port, default=default_port, help="router port (0 = any free port)")
-    p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local Ray)")
-    add_role_resource_args(p)
-    add_routing_args(p)
-
-
-def add_routing_args(p: argparse.ArgumentParser) -> None:
-    """--routing and --local-prefill-tokens (README: prefix-aware routing, conditional disaggregation)."""
-    from pdserve.cluster.config import DEFAULT_LOCAL_PREFILL_TOKENS
-    from pdserve.router.pool import ROUTING_POLICIES
-
-    p.add_argument(
-        "--routing",
-        choices=ROUTING_POLICIES,
-        default="prefix-aware",
-        help="prefix-aware: prefer the worker holding the prompt's prefix, balanced against load; "
-        "least-loaded: ignore prefixes",
-    )
-    p.add_argument(
-        "--local-prefill-tokens",
-        type=non_negative_int,
-        default=DEFAULT_LOCAL_PREFILL_TOKENS,
-        help="split: the decode worker prefills a request itself when at most this many prompt tokens "
-        "are not in its prefix cache (no KV moves); 0 = always split",
-    )
-
-
-def secret_note() -> str | None:
-    """The startup line for a cluster that makes its own secret (no $PDSERVE_CLUSTER_SECRET): it is
-    never shown, so say how to choose one that admin tools can carry. None when one is set."""
-    from pdserve.rpc.auth import SECRET_ENV, cluster_secret
-
-    if cluster_secret():
-        return None
-    return (
-        f"cluster secret: generated for this run and not shown; to let admin tools use it (pdserve bench's "
-        f"per-worker prefix-cache hit rates, the admin model info), export {SECRET_ENV} before serve and for bench"
-    )
-
-
-def cmd_serve(args) -> int:
-    from pdserve.cluster.launch import start_cluster
-
-    cfg = _cluster_config(args)
-    note = secret_note()  # read before the cluster starts: what start_cluster sees
-    if args.address is None:
-        check_port_free(args.host, args.port)
-        if args.http_port:
-            check_port_free(args.host, args.http_port, "--http-port")
-    cluster = start_cluster(cfg)
-    if note:
-        print(note, flush=True)
-    http = f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else ""
-    keys = len(cfg.api_keys)
-    http += f"; API keys: {keys} required" if keys else "; API keys: off (anyone who can reach the ports may call)"
-    print(
-        f"pdserve {args.placement} cluster serving on {cluster.address} (gRPC){http} "
-        f"(workers: {', '.join(f'{r}@{a}' for a, r in cluster.workers.items())}); Ctrl-C stops it",
-        flush=True,
-    )
-    stop = False
-
-    def on_signal(*_):
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        while not stop:
-            signal.pause()
-    finally:
-        print("shutting down...", file=sys.stderr, flush=True)
-        cluster.stop()
-    return 0
-
-
-def cmd_generate(args) -> int:
-    import grpc
-
-    from pdserve.router.client import Client, make_request
-
-    async def run() -> int:
-        req = make_request(
-            args.prompt,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
-        async with Client(args.router or f"127.0.0.1:{args.port}", args.api_key, args.tls_ca) as client:
-            try:
-                res = await client.generate(
-                    req, timeout=args.timeout, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())
-                )
-            except grpc.aio.AioRpcError as exc:
-                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-                return 2
-        print()
-        if res.error:
-            print(f"error: {res.error}", file=sys.stderr)
-            return 1
-        tpot = f", TPOT {res.tpot * 1e3:.1f} ms" if len(res.token_ids) > 1 else ""
-        print(
-            f"[{res.finish_reason}] prompt {res.prompt_tokens} tokens, output {len(res.token_ids)} tokens, "
-            f"TTFT {res.ttft * 1e3:.1f} ms{tpot}",
-            file=sys.stderr,
-        )
-        return 0
-
-    return asyncio.run(run())
+from pdserve.cli.bench import add_bench_parser
+from pdserve.cli.compare import add_compare_parser
+from pdserve.cli.demo import add_demo_parser
+from pdserve.cli.generate import add_generate_parser
+from pdserve.cli.serve import add_serve_parser
+from pdserve.soak.trace_soak import add_soak_parser
+from pdserve.worker.flags import add_engine_args, non_negative_int, positive_int
 
 
 def cmd_throughput(args) -> int:
@@ -221,48 +44,18 @@ def cmd_throughput(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_generate_parser(sub)
+    add_throughput_parser(sub)
+    add_demo_parser(sub)
+    add_bench_parser(sub)
+    add_compare_parser(sub)
+    add_soak_parser(sub)
+    parser.set_defaults(subcommands=sub.choices)  # main() reports a stray flag with its command's usage
+    return parser
 
-    p = sub.add_parser("serve", help="start a cluster and serve gRPC and the OpenAI HTTP API until Ctrl-C")
-    add_cluster_args(p)
-    p.add_argument(
-        "--http-port",
-        type=port,
-        default=DEFAULT_HTTP_PORT,
-        help="OpenAI-compatible HTTP API and /metrics, on --host (0 turns it off)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="clients must send 'authorization: Bearer KEY' (gRPC metadata or HTTP header); "
-        "comma-separate several; default $PDSERVE_API_KEY, else no key",
-    )
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--max-requests-per-worker",
-        type=non_negative_int,
-        default=512,
-        help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429, retry hint 1 s) when every decode "
-        "worker holds this many; 0 = no bound",
-    )
-    p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("generate", help="stream one completion from a running router")
-    p.add_argument("prompt")
-    p.add_argument("--router", default=None, help="router host:port (default 127.0.0.1:--port)")
-    p.add_argument("--port", type=port, default=DEFAULT_PORT)
-    p.add_argument("--max-tokens", type=positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=non_negative_int, default=None)
-    p.add_argument("--seed", type=non_negative_int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
-    p.add_argument("--tls-ca", default=None, help="PEM certificate to trust: reach the router over TLS")
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds")
-    p.set_defaults(func=cmd_generate)
-
+def add_throughput_parser(sub) -> None:
     p = sub.add_parser(
         "throughput", help="offline throughput of one engine (no Ray, no gRPC) beside its hardware bound"
     )
@@ -273,18 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=cmd_throughput)
-
-    from pdserve.cli.bench import add_bench_parser
-    from pdserve.cli.compare import add_compare_parser
-    from pdserve.cli.demo import add_demo_parser
-    from pdserve.soak.trace_soak import add_soak_parser
-
-    add_demo_parser(sub)
-    add_bench_parser(sub)
-    add_compare_parser(sub)
-    add_soak_parser(sub)
-    parser.set_defaults(subcommands=sub.choices)  # main() reports a stray flag with its command's usage
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ def _without_secret() -> dict:
 
 
 def test_serve_says_when_it_made_the_cluster_secret(monkeypatch):
-    from pdserve.cli.main import secret_note
+    from pdserve.cli.serve import secret_note
     from pdserve.rpc.auth import SECRET_ENV
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
@@ -258,7 +258,7 @@ def test_demo_tables_each_start_on_a_line_of_their_own_in_a_pipe():
     async def answer(texts, i):
         await asyncio.sleep(0.01 * (i + 1))
         texts[i] += f"answer {i}"
-        return GenerationResult(text=texts[i], token_ids=[1, 2], sent_at=0.0, token_times=[0.1, 0.2])
+        return GenerationResult(text=texts[i], token_ids=[1, 2], sent_s=0.0, token_times_s=[0.1, 0.2])
 
     async def run():
         texts = ["", ""]
