@@ -14,7 +14,7 @@ from rich.table import Table
 
 def demo_prompts() -> list[str]:
     """The packaged demo prompts (English: Vicuna bench; Chinese: MT-Bench-ZH)."""
-    return json.loads(resources.files("pdserve.cluster").joinpath("demo_prompts.json").read_text("utf-8"))["prompts"]
+    return json.loads(resources.files("pdserve.cli").joinpath("demo_prompts.json").read_text("utf-8"))["prompts"]
 
 
 def _answers_table(prompts, texts) -> Table:
