@@ -140,7 +140,7 @@ def fall_back_without_datasets(args) -> str | None:
     print about that switch, or None. A trace, prompt set or ``--arrival trace`` the user named is
     never replaced: reading the file then fails with a message that says where it was looked for
     and what needs it."""
-    from pdserve.loadgen.workload import resolve_datasets_dir
+    from pdserve.loadgen.dataset_files import resolve_datasets_dir
 
     chose = args.trace is not None or args.arrival == "trace" or args.prompts not in (None, RANDOM_PROMPTS)
     fill_workload_defaults(args)

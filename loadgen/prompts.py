@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.loadgen.workload import dataset_file
+from pdserve.loadgen.dataset_files import dataset_file
 
 __all__ = [
     "PROMPT_SETS",

@@ -13,7 +13,6 @@ Pure standard library + numpy; never imports torch or ray.
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pdserve.loadgen.azure import read_azure_trace
+from pdserve.loadgen.dataset_files import dataset_file
 from pdserve.loadgen.mooncake import in_conversation_sample, read_mooncake_trace
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ __all__ = [
     "TraceRow",
     "TRACES",
     "RequestSpec",
-    "resolve_datasets_dir",
-    "dataset_file",
     "load_trace",
     "window",
     "scale_to_rate",
@@ -45,7 +43,6 @@ __all__ = [
     "build_workload",
 ]
 
-DATASETS_ENV = "PDSERVE_DATASETS"
 TRACES = {
     "azure-conv": "azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv",
     "azure-code": "azure_llm_trace_2023/AzureLLMInferenceTrace_code.csv",
@@ -71,51 +68,12 @@ class RequestSpec:
     prompt_source: str  # prompt-set name the text came from
 
 
-def resolve_datasets_dir(datasets_dir: str | Path | None = None) -> Path:
-    """The datasets folder: ``datasets_dir`` if given, else ``$PDSERVE_DATASETS``, else the first
-    existing of ``<source tree>/../shared/datasets``, ``./shared/datasets`` and ``../shared/datasets``
-    (relative to the working directory, for an installed package run from a checkout)."""
-    if datasets_dir is not None:
-        return Path(datasets_dir)
-    env = os.environ.get(DATASETS_ENV)
-    if env:
-        return Path(env)
-    candidates = default_datasets_dirs()
-    return next((c for c in candidates if c.is_dir()), candidates[0])
-
-
-def default_datasets_dirs() -> list[Path]:
-    """Where the datasets folder is looked for when neither a folder nor ``$PDSERVE_DATASETS`` is given."""
-    return [
-        Path(__file__).resolve().parent.parent.parent / "shared" / "datasets",
-        Path.cwd() / "shared" / "datasets",
-        Path.cwd().parent / "shared" / "datasets",
-    ]
-
-
-def dataset_file(relative: str, datasets_dir: str | Path | None = None) -> Path:
-    """``relative`` under the datasets folder; FileNotFoundError (saying how to point elsewhere) if absent."""
-    path = resolve_datasets_dir(datasets_dir) / relative
-    searched = [] if datasets_dir is not None or os.environ.get(DATASETS_ENV) else default_datasets_dirs()
-    if not path.is_file() and searched and not any(c.is_dir() for c in searched):
-        raise FileNotFoundError(
-            f"dataset file {relative} not found: no datasets folder at "
-            f"{', '.join(str(c) for c in searched)}; point at it with --datasets-dir "
-            f"(or the {DATASETS_ENV} environment variable)"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"dataset file {path} not found; point at the datasets folder with --datasets-dir "
-            f"(or the {DATASETS_ENV} environment variable)"
-        )
-    return path
-
-
 def load_trace(name_or_path: str, datasets_dir: str | Path | None = None) -> list[TraceRow]:
     """Rows of an Azure-format trace CSV (:func:`pdserve.loadgen.azure.read_azure_trace`) or, for a
     ``.jsonl`` file, of a Mooncake trace with its hash ids (:func:`pdserve.loadgen.mooncake.read_mooncake_trace`).
 
-    ``name_or_path`` is a key of :data:`TRACES` (resolved under the datasets folder)
+    ``name_or_path`` is a key of :data:`TRACES` (resolved under the datasets folder,
+    :mod:`pdserve.loadgen.dataset_files`)
     or a path to such a file.  Times are seconds relative to the first row.  Raises
     FileNotFoundError when the file is absent and ValueError (with the file line number) on a
     malformed file.

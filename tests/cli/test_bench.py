@@ -13,10 +13,10 @@ from pdserve.cli import bench as cli
 from pdserve.cli.main import main
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
+from pdserve.loadgen.dataset_files import DATASETS_ENV
 from pdserve.loadgen.metrics import SLO, RequestRecord, summarize
 from pdserve.loadgen.prompts import PROMPT_SETS, make_prompt_pool
 from pdserve.loadgen.targets import ServerInfo
-from pdserve.loadgen.workload import DATASETS_ENV
 
 # the command a new user ran against an OpenAI-compatible server, with no datasets folder anywhere
 USER_COMMAND = (

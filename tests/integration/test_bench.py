@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from pdserve.loadgen.dataset_files import dataset_file
 from pdserve.loadgen.metrics import RequestRecord
-from pdserve.loadgen.workload import dataset_file, load_trace, window
+from pdserve.loadgen.workload import load_trace, window
 from tests.integration._pipeline import local_pipeline
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]

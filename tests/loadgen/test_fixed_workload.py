@@ -209,14 +209,14 @@ def test_the_tokenizer_folder_comes_from_the_served_id_or_a_folder(embedded_dir)
 
 
 def test_missing_datasets_folder_names_every_place_searched(tmp_path, monkeypatch):
-    from pdserve.loadgen import workload
+    from pdserve.loadgen import dataset_files
 
-    monkeypatch.delenv(workload.DATASETS_ENV, raising=False)
+    monkeypatch.delenv(dataset_files.DATASETS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(workload, "__file__", str(tmp_path / "a" / "b" / "c" / "workload.py"))
+    monkeypatch.setattr(dataset_files, "__file__", str(tmp_path / "a" / "b" / "c" / "dataset_files.py"))
     with pytest.raises(FileNotFoundError) as info:
-        workload.dataset_file("x/y.csv")
+        dataset_files.dataset_file("x/y.csv")
     message = str(info.value)
-    for place in workload.default_datasets_dirs():
+    for place in dataset_files.default_datasets_dirs():
         assert str(place) in message
     assert "--datasets-dir" in message and "x/y.csv" in message

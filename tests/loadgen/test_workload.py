@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdserve.loadgen.dataset_files import resolve_datasets_dir
 from pdserve.loadgen.workload import (
     TRACES,
     RequestSpec,
@@ -19,7 +20,6 @@ from pdserve.loadgen.workload import (
     gamma_arrivals,
     load_trace,
     poisson_arrivals,
-    resolve_datasets_dir,
     sample_rows,
     scale_to_rate,
     window,
@@ -348,12 +348,11 @@ def test_workload_module_imports_neither_torch_nor_ray():
 
 def test_datasets_found_from_the_working_directory(tmp_path, monkeypatch):
     """An installed package run from a checkout finds ../shared/datasets or ./shared/datasets."""
-    import pdserve.loadgen.workload as workload
+    import pdserve.loadgen.dataset_files as dataset_files
 
     monkeypatch.delenv("PDSERVE_DATASETS", raising=False)
-    monkeypatch.setattr(
-        workload, "__file__", str(tmp_path / "venv" / "lib" / "site-packages" / "pdserve" / "bench" / "workload.py")
-    )
+    installed = tmp_path / "venv" / "lib" / "site-packages" / "pdserve" / "loadgen" / "dataset_files.py"
+    monkeypatch.setattr(dataset_files, "__file__", str(installed))
     (tmp_path / "shared" / "datasets").mkdir(parents=True)
     checkout = tmp_path / "pdserve"
     checkout.mkdir()
