@@ -6,7 +6,8 @@ import argparse
 
 from pdserve.loadgen.metrics import SLO
 from pdserve.loadgen.mooncake import BLOCK_TOKENS
-from pdserve.loadgen.prompts import PROMPT_SETS, RANDOM_PROMPTS, BlockPrompts, make_prompt_pool, prompt_set_names
+from pdserve.loadgen.prompt_datasets import PROMPT_SETS
+from pdserve.loadgen.prompts import RANDOM_PROMPTS, BlockPrompts, make_prompt_pool, prompt_set_names
 from pdserve.loadgen.workload import (
     TRACES,
     RequestSpec,

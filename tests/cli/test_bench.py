@@ -15,7 +15,8 @@ from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
 from pdserve.loadgen.dataset_files import DATASETS_ENV
 from pdserve.loadgen.metrics import SLO, RequestRecord, summarize
-from pdserve.loadgen.prompts import PROMPT_SETS, make_prompt_pool
+from pdserve.loadgen.prompt_datasets import PROMPT_SETS
+from pdserve.loadgen.prompts import make_prompt_pool
 from pdserve.loadgen.targets import ServerInfo
 
 # the command a new user ran against an OpenAI-compatible server, with no datasets folder anywhere

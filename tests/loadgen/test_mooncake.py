@@ -14,7 +14,8 @@ from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.loadgen.args import build_specs
 from pdserve.loadgen.metrics import prefix_reuse_ceiling
 from pdserve.loadgen.mooncake import BLOCK_TOKENS, CONVERSATION_KEY_BLOCKS, spread_ties
-from pdserve.loadgen.prompts import BlockPrompts, PromptPool, RandomPromptPool, load_prompts
+from pdserve.loadgen.prompt_datasets import load_prompts
+from pdserve.loadgen.prompts import BlockPrompts, PromptPool, RandomPromptPool
 from pdserve.loadgen.workload import (
     TRACES,
     TraceRow,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.loadgen.prompts import PROMPT_SETS, PromptPool, load_prompts
+from pdserve.loadgen.prompt_datasets import PROMPT_SETS, load_prompts
+from pdserve.loadgen.prompts import PromptPool
 
 DATASETS = Path(__file__).resolve().parents[3] / "shared" / "datasets"
 CJK = re.compile(r"[\u4e00-\u9fff]")

@@ -297,7 +297,8 @@ def test_sample_rows(conv):
 @pytest.fixture(scope="module")
 def pool(datasets_dir, embedded_dir):
     from pdserve.engine.text.tokenizer import Tokenizer
-    from pdserve.loadgen.prompts import PromptPool, load_prompts
+    from pdserve.loadgen.prompt_datasets import load_prompts
+    from pdserve.loadgen.prompts import PromptPool
 
     return PromptPool(load_prompts(["sharegpt", "belle-zh"], datasets_dir), Tokenizer.from_folder(embedded_dir), 0)
 
