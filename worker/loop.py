@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine, StepError, StepOutput
+from pdserve.engine.scheduling.sequence import FinishReason
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ class EngineLoop:
     ``submit(fn)`` runs ``fn(engine)`` on the engine thread between two steps and returns a
     ``concurrent.futures.Future`` with its result or exception. After every step ``on_outputs`` is
     called on the engine thread with that step's outputs; ``on_step_error`` with the StepError
-    (which names the failed sequences, already freed) when a step failed.
+    (which names the failed sequences, already finished with ERROR and freed) when a step failed.
+    An exception outside the forward pass (in the scheduler, or raised by ``on_outputs``) fails the
+    sequences it may have left half-done the same way, and the thread goes on serving the rest.
     """
 
     def __init__(
@@ -55,6 +58,23 @@ class EngineLoop:
             self._calls.put((fn, fut))
         return fut
 
+    def _fail(self, exc: Exception, seqs: list) -> None:
+        """Finish ``seqs`` with ERROR (freeing their blocks) and report them as a failed step, so
+        that their callers get an error and the thread goes on serving the others."""
+        for seq in seqs:
+            self.engine.scheduler.finish(seq, FinishReason.ERROR)
+        err = StepError(exc, seqs)
+        err.__cause__ = exc
+        self._report(err)
+
+    def _report(self, err: StepError) -> None:
+        log.error("engine step failed: %s", err, exc_info=err.__cause__ or err)
+        if self._on_step_error is not None:
+            try:
+                self._on_step_error(err)
+            except Exception:
+                log.exception("reporting a failed step failed")
+
     def _drain(self, block: bool) -> None:
         try:
             item = self._calls.get(block=block, timeout=0.5 if block else None)
@@ -80,12 +100,17 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except StepError as exc:
-                log.exception("engine step failed")
-                if self._on_step_error is not None:
-                    self._on_step_error(exc)
+                self._report(exc)
+                continue
+            except Exception as exc:  # the step failed outside the forward pass: fail what it may have touched
+                held = [*self.engine.scheduler.waiting, *self.engine.scheduler.running]
+                self._fail(exc, held)
                 continue
             if outputs:
-                self._on_outputs(outputs)
+                try:
+                    self._on_outputs(outputs)
+                except Exception as exc:  # e.g. a KV extraction that ran out of memory
+                    self._fail(exc, [o.seq for o in outputs])
         # fail calls that arrived while stopping
         while True:
             try:

@@ -182,6 +182,47 @@ def test_a_failed_step_without_an_error_callback_does_not_stop_the_loop(engine):
         loop.stop()
 
 
+def test_an_exception_in_on_outputs_fails_those_requests_and_the_loop_goes_on(engine):
+    """A callback that raises (a KV extraction out of memory, say) must not kill the engine thread:
+    the step's sequences end with ERROR, their blocks are freed, and later calls still run."""
+    rec = Recorder()
+    raised = []
+
+    def on_outputs(outputs) -> None:
+        if not raised:
+            raised.append([o.seq.request_id for o in outputs])
+            raise MemoryError("injected in on_outputs")
+        rec.on_outputs(outputs)
+
+    loop = EngineLoop(engine, on_outputs, rec.on_step_error)
+    loop.start()
+    try:
+        loop.submit(add_all({"a": PROMPTS["a"]})).result(WAIT_S)
+        rec.wait(lambda: rec.errors)
+        (err,) = rec.errors
+        assert "injected in on_outputs" in str(err) and [s.request_id for s in err.seqs] == raised[0] == ["a"]
+        assert err.seqs[0].finish_reason == FinishReason.ERROR
+        assert loop.submit(lambda e: (e.has_work(), e.blocks.num_used)).result(WAIT_S) == (False, 0)
+        loop.submit(add_all({"c": PROMPTS["c"]})).result(WAIT_S)
+        rec.wait(lambda: "c" in rec.finished)
+        assert len(rec.tokens["c"]) == GREEDY.max_tokens
+    finally:
+        loop.stop()
+
+
+def test_an_exception_outside_the_forward_pass_fails_the_held_requests(engine, running):
+    loop, rec = running
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (_ for _ in ()).throw(RuntimeError("injected in schedule"))
+    loop.submit(add_all({"a": PROMPTS["a"], "b": PROMPTS["b"]})).result(WAIT_S)
+    rec.wait(lambda: rec.errors)
+    assert {s.request_id for s in rec.errors[0].seqs} == {"a", "b"}
+    engine.scheduler.schedule = schedule
+    assert loop.submit(lambda e: (e.has_work(), e.blocks.num_used)).result(WAIT_S) == (False, 0)
+    loop.submit(add_all({"c": PROMPTS["c"]})).result(WAIT_S)
+    rec.wait(lambda: "c" in rec.finished)
+
+
 def test_a_cancelled_call_is_skipped(running):
     loop, _ = running
     release, ran = threading.Event(), []
