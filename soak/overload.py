@@ -26,22 +26,22 @@ CALIBRATION_REQUESTS = 32  # sent at once, after as many again to warm the worke
 
 async def _burst(address: str, requests) -> float:
     """Send ``requests`` at once; those completed over the seconds until the last one ended."""
-    from pdserve.soak.trace_soak import _one
+    from pdserve.soak.soak_requests import send_request
 
     for r in requests:
         r.send_at_s = 0.0
     t0 = time.monotonic()
     async with Client(address) as client:
-        await asyncio.gather(*(_one(client, r, t0) for r in requests))
+        await asyncio.gather(*(send_request(client, r, t0) for r in requests))
     return sum(r.outcome == "completed" for r in requests) / (time.monotonic() - t0)
 
 
 async def _offered(address: str, requests) -> None:
-    from pdserve.soak.trace_soak import _one
+    from pdserve.soak.soak_requests import send_request
 
     t0 = time.monotonic()
     async with Client(address) as client:
-        await asyncio.gather(*(_one(client, r, t0) for r in requests))
+        await asyncio.gather(*(send_request(client, r, t0) for r in requests))
 
 
 def run_overload(
@@ -61,7 +61,7 @@ def run_overload(
     from pdserve.engine.config import EngineConfig, ModelConfig
     from pdserve.engine.models.loader import resolve_model_dir
     from pdserve.soak.checks import greedy_mismatches, settled_blocks
-    from pdserve.soak.trace_soak import build_requests
+    from pdserve.soak.soak_requests import build_requests
 
     model_dir = resolve_model_dir(model)
     mc = ModelConfig.from_folder(model_dir)

@@ -1,13 +1,14 @@
 """``pdserve soak``: a split cluster on a local Ray instance under a real trace, with client cancels,
 tight deadlines and worker kills, checked for hangs, leaked KV blocks and wrong tokens.
 
-Requests: the Azure conversation trace's arrival times and lengths (``--length-scale``; a Poisson
-process with trace-like lengths when the datasets folder is absent), rescaled to ``--rate``, with
-random token-id prompts, greedy and float32 so that every output has one right answer. A share of
-them (``--cancel-frac``) is cancelled by its client after a random delay, another
-(``--deadline-frac``) gets a deadline too tight to finish. Mid-run, the decode worker and then the
-prefill worker are killed (SIGKILL of the actor's process); Ray restarts them and the cluster's
-supervisor brings them back. Each request must end on its own: completed, or with a status.
+Requests (:mod:`pdserve.soak.soak_requests`): the Azure conversation trace's arrival times and
+lengths (``--length-scale``; a Poisson process with trace-like lengths when the datasets folder is
+absent), rescaled to ``--rate``, with random token-id prompts, greedy and float32 so that every
+output has one right answer. A share of them (``--cancel-frac``) is cancelled by its client after a
+random delay, another (``--deadline-frac``) gets a deadline too tight to finish. Mid-run, the decode
+worker and then the prefill worker are killed (SIGKILL of the actor's process); Ray restarts them
+and the cluster's supervisor brings them back. Each request must end on its own: completed, or with
+a status.
 
 At the end it prints requests completed / migrated / failed by status / cancelled / past their
 deadline, hung requests (none may be), used KV blocks per worker (must be 0), greedy mismatches
@@ -24,110 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.router.client import Client, make_request
-
-HANG_GRACE_S = 60.0  # after its deadline (or the run's end) a request still open counts as hung
-
-
-@dataclass
-class SoakRequest:
-    index: int
-    send_at_s: float
-    prompt: list[int]
-    max_tokens: int
-    action: str  # "normal", "cancel" or "deadline"
-    cancel_after_s: float = 0.0
-    tokens: list[int] = field(default_factory=list)
-    outcome: str = ""  # "completed", "cancelled", "DEADLINE_EXCEEDED", an error status, or "hung"
-    ttft_s: float = float("nan")  # sent to first token
-    ended_s: float = float("nan")  # sent to its last message or error
-
-
-def build_requests(
-    n: int,
-    rate: float,
-    vocab: int,
-    max_model_len: int,
-    seed: int,
-    cancel_frac: float,
-    deadline_frac: float,
-    length_scale: float,
-) -> list[SoakRequest]:
-    from pdserve.loadgen.workload import clip_lengths, load_trace, poisson_arrivals, scale_to_rate, window
-
-    rng = random.Random(seed)
-    try:
-        rows = scale_to_rate(window(load_trace("azure-conv"), 0.0, None, n), rate)
-        arrivals, lengths = [r.t_s for r in rows], [(r.input_tokens, r.output_tokens) for r in rows]
-    except FileNotFoundError:  # no datasets folder: Poisson arrivals, lengths like the trace's
-        print(
-            f"soak: no Azure trace found (datasets folder); Poisson arrivals at {rate:g} req/s with "
-            f"trace-like lengths instead",
-            flush=True,
-        )
-        arrivals = poisson_arrivals(rate, n, seed)
-        lengths = [(int(rng.lognormvariate(6.5, 1.0)), int(rng.lognormvariate(5.3, 0.8))) for _ in range(n)]
-    out = []
-    for i, (t, (inp, outp)) in enumerate(zip(arrivals, lengths)):
-        inp, outp = clip_lengths(inp, outp, max_model_len, length_scale, max_model_len // 2, 256)
-        u = rng.random()
-        action = "cancel" if u < cancel_frac else "deadline" if u < cancel_frac + deadline_frac else "normal"
-        out.append(
-            SoakRequest(
-                i,
-                t,
-                [rng.randrange(3, vocab) for _ in range(inp)],
-                outp,
-                action,
-                cancel_after_s=rng.uniform(0.002, 0.1),
-            )
-        )
-    return out
-
-
-async def _one(client: Client, r: SoakRequest, t0: float) -> None:
-    await asyncio.sleep(max(0.0, t0 + r.send_at_s - time.monotonic()))
-    req = make_request("", prompt_token_ids=r.prompt, max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
-    timeout = 0.01 if r.action == "deadline" else 120.0
-    call = client.stub.Generate(req, timeout=timeout)
-    if r.action == "cancel":
-        asyncio.get_running_loop().call_later(r.cancel_after_s, call.cancel)
-
-    sent = time.monotonic()
-
-    async def consume() -> None:
-        async for msg in call:
-            kind = msg.WhichOneof("kind")
-            if kind == "chunk":
-                if not r.tokens and msg.chunk.token_ids:
-                    r.ttft_s = time.monotonic() - sent
-                r.tokens += msg.chunk.token_ids
-            elif kind == "complete":
-                r.outcome = "completed"
-            else:
-                r.outcome = msg.error.code
-
-    try:
-        await asyncio.wait_for(consume(), timeout + HANG_GRACE_S)
-    except asyncio.CancelledError:
-        if not (r.action == "cancel" and call.cancelled()):  # grpc.aio raises this for our own cancel
-            raise
-        r.outcome = "cancelled"
-    except asyncio.TimeoutError:
-        r.outcome = "hung"
-        call.cancel()
-    except grpc.aio.AioRpcError as exc:
-        r.outcome = "cancelled" if exc.code() == grpc.StatusCode.CANCELLED else exc.code().name
-    finally:
-        r.ended_s = time.monotonic() - sent
+from pdserve.soak.soak_requests import SoakRequest, build_requests, send_request
 
 
 def _kill(cluster, role: str) -> tuple[str, float]:
@@ -158,7 +63,7 @@ async def _run_load(cluster, requests: list[SoakRequest], kills: list[str]) -> l
     span = max(r.send_at_s for r in requests)
     recoveries = []
     async with Client(cluster.address) as client:
-        tasks = [asyncio.create_task(_one(client, r, t0)) for r in requests]
+        tasks = [asyncio.create_task(send_request(client, r, t0)) for r in requests]
         for k, role in enumerate(kills):  # evenly through the run
             await asyncio.sleep(max(0.0, t0 + span * (k + 1) / (len(kills) + 1) - time.monotonic()))
             old, at = _kill(cluster, role)
