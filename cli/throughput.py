@@ -114,13 +114,17 @@ def run_throughput(
     sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"throughput-{i}", p, sampling)
-    prefill_s, decode_steps = 0.0, {}  # decode step times by batch size
+    # A step that computes prompt tokens counts as prefill time, also when it decodes other
+    # sequences beside a chunk (chunked prefill); pure decode steps by their batch size.
+    prefill_s, decode_steps = 0.0, {}
+    sched = engine.scheduler
     start = time.perf_counter()
     while engine.has_work():
+        prefilling = bool(sched.waiting) or not all(s.is_decoding for s in sched.running)
         t = time.perf_counter()
         outputs = engine.step()
         dt = time.perf_counter() - t
-        if outputs and outputs[0].prefill:
+        if prefilling:
             prefill_s += dt
         elif outputs:
             decode_steps.setdefault(len(outputs), []).append(dt)
@@ -194,16 +198,17 @@ def format_result(r: ThroughputResult) -> str:
     return "\n".join(
         [
             f"model {r.model}  dtype {r.dtype} ({r.dtype_reason})  attention {r.attention_backend}",
-            f"{r.num_prompts} prompts x {r.input_len} random tokens in -> {r.output_len} greedy tokens out, EOS ignored",
+            f"{r.num_prompts} prompts x {r.input_len} random tokens in -> {r.output_len} greedy tokens out, "
+            "EOS ignored",
             f"total     {r.total_tokens_per_s:9.0f} tok/s   ({r.elapsed_s:.2f} s; bound {r.total_bound_s:.2f} s, "
             f"{r.total_fraction:.0%} of it)",
             f"output    {r.output_tokens_per_s:9.0f} tok/s",
             f"prefill   {r.prefill_tokens_per_s:9.0f} tok/s   ({r.prefill_s:.2f} s; bound {r.prefill_bound_s:.2f} s, "
             f"{r.prefill_fraction:.0%})",
-            f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   (bound {r.decode_step_bound_ms:.2f} ms, "
-            f"{r.decode_fraction:.0%})",
-            f"probes    matmul {r.matmul_tflops * 1e3:.1f} GFLOP/s at prefill rows, {r.matmul_tflops_decode * 1e3:.1f} at "
-            f"{r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
+            f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   "
+            f"(bound {r.decode_step_bound_ms:.2f} ms, {r.decode_fraction:.0%})",
+            f"probes    matmul {r.matmul_tflops * 1e3:.1f} GFLOP/s at prefill rows, "
+            f"{r.matmul_tflops_decode * 1e3:.1f} at {r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
             *(
                 [
                     "warning: a figure is past its bound, so the probes were slowed by other work on this machine; "

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -141,3 +142,22 @@ def test_sizes_below_one_are_refused_by_the_parser(flag, capsys):
         main(["throughput", flag, "0"])
     assert info.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_every_step_that_computes_prompt_tokens_counts_as_prefill(embedded_dir, monkeypatch):
+    """With a small token budget the prompts are prefilled over several steps, most of them beside
+    decode rows of earlier prompts (chunked prefill); each such step belongs to the prefill time."""
+    from pdserve.engine.model_runner import ModelRunner
+
+    run, prefill_steps = ModelRunner.run, []
+
+    def slow_prefill(self, batch):
+        if any(not s.is_decoding and s.request_id.startswith("throughput-") for s in batch.seqs):  # not the warm-up
+            prefill_steps.append(batch)
+            time.sleep(0.05)
+        return run(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "run", slow_prefill)
+    cfg = EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    r = run_throughput(cfg, num_prompts=4, input_len=24, output_len=4)
+    assert len(prefill_steps) >= 4 and r.prefill_s >= 0.05 * len(prefill_steps)
