@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import subprocess
@@ -186,17 +187,8 @@ async def serve_decode(args) -> None:
 
 
 def start_decode_process(dtype: str, max_len: int, args) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--serve-decode",
-        "--dtypes",
-        dtype,
-        "--lengths",
-        str(max_len),
-        "--block-size",
-        str(args.block_size),
-    ] + (["--threads", str(args.threads)] if args.threads else [])
+    cmd = [sys.executable, __file__, "--serve-decode", "--dtypes", dtype, "--lengths", str(max_len)]
+    cmd += ["--block-size", str(args.block_size)] + (["--threads", str(args.threads)] if args.threads else [])
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     address = child.stdout.readline().strip()
     if not address:
@@ -229,27 +221,16 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
             dbuf = getattr(server.worker, "kv_buffers", None)
             st = {
                 "read": best_ms(read_stage(runner, seq, n, pbuf), args.repeats),
-                "pack": best_ms(lambda: SERIALIZE(payload), args.repeats),
+                "pack": best_ms(functools.partial(SERIALIZE, payload), args.repeats),
                 "unpack": best_ms(unpack_stage(frame, engine.fingerprint, dbuf), args.repeats),
             }
-            st["write"] = await asyncio.wrap_future(
-                server.worker.host.loop.submit(lambda e: write_ms(e, kv, ids, args.repeats))
-            )
+            write = functools.partial(write_ms, kv=kv, ids=ids, repeats=args.repeats)
+            st["write"] = await asyncio.wrap_future(server.worker.host.loop.submit(write))
             st["push"], e2e = await handoffs(n, seq, payload, engine, server, e2e_address, args)
             engine.scheduler.finish(seq)
             nbytes = kv.numel() * kv.element_size()
-            rows.append(
-                {
-                    "dtype": dtype,
-                    "tokens": n,
-                    "bytes": nbytes,
-                    **st,
-                    "e2e": e2e,
-                    "gbps": nbytes / e2e / 1e6,
-                    "prefill": prefill_ms,
-                    "share": e2e / (prefill_ms + e2e),
-                }
-            )
+            row = dict(dtype=dtype, tokens=n, bytes=nbytes, **st, e2e=e2e, gbps=nbytes / e2e / 1e6, prefill=prefill_ms)
+            rows.append({**row, "share": e2e / (prefill_ms + e2e)})
             print_row(rows[-1])
     finally:
         await server.stop()

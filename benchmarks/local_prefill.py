@@ -16,27 +16,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
-import statistics
 import time
 
+from pdserve.loadgen.metrics import percentile
 from pdserve.router.client import Client, make_request
 
 
-async def ttft(client: Client, ids: list[int]) -> float:
-    t0 = time.perf_counter()
-    async for msg in client.stream(
-        make_request("", prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True)
-    ):
-        if msg.HasField("chunk") and msg.chunk.token_ids:
-            return time.perf_counter() - t0
-    raise RuntimeError("no token arrived")
+async def ttft_s(client: Client, ids: list[int]) -> float:
+    """TTFT of one greedy request of ``ids``, seconds (the client's ``GenerationResult.ttft_s``)."""
+    res = await client.generate(make_request("", prompt_token_ids=ids, max_tokens=2, temperature=0, ignore_eos=True))
+    if res.error or math.isnan(res.ttft_s):
+        raise RuntimeError(f"no token arrived: {res.error or res.finish_reason}")
+    return res.ttft_s
 
 
 async def background(client: Client, ids: list[int], gaps: list[float], stop: asyncio.Event) -> None:
     while not stop.is_set():
         last = None
-        async for msg in client.stream(
+        async for _msg in client.stream(
             make_request("", prompt_token_ids=ids, max_tokens=200, temperature=0, ignore_eos=True)
         ):
             now = time.perf_counter()
@@ -71,18 +70,21 @@ async def main(args: argparse.Namespace) -> None:
             ]
             await asyncio.sleep(2.0)
             print(
-                f"{'tokens':>6} {'TTFT split ms':>14} {'TTFT local ms':>14} {'p99 ITL split':>14} {'p99 ITL local':>14}"
+                f"{'tokens':>6} {'split ttft_p50_ms':>18} {'local ttft_p50_ms':>18} {'split itl_p99_ms':>17} "
+                f"{'local itl_p99_ms':>17}"
             )
             for n in args.lengths:
                 row = []
                 itl = []
                 for client in (cs, cl):
-                    await ttft(client, [rng.randrange(vocab) for _ in range(n)])  # warm-up
+                    await ttft_s(client, [rng.randrange(vocab) for _ in range(n)])  # warm-up
                     gaps.clear()
-                    times = [await ttft(client, [rng.randrange(vocab) for _ in range(n)]) for _ in range(args.repeats)]
-                    row.append(statistics.median(times) * 1e3)
-                    itl.append(statistics.quantiles(gaps, n=100)[98] * 1e3 if len(gaps) > 2 else float("nan"))
-                print(f"{n:>6} {row[0]:>14.1f} {row[1]:>14.1f} {itl[0]:>14.1f} {itl[1]:>14.1f}")
+                    times = [
+                        await ttft_s(client, [rng.randrange(vocab) for _ in range(n)]) for _ in range(args.repeats)
+                    ]
+                    row.append(percentile(times, 50) * 1e3)
+                    itl.append(percentile(gaps, 99) * 1e3)
+                print(f"{n:>6} {row[0]:>18.1f} {row[1]:>18.1f} {itl[0]:>17.1f} {itl[1]:>17.1f}")
             stop.set()
             for t in bg:
                 t.cancel()

@@ -8,8 +8,9 @@ replayed from a trace (Mooncake: a 1/16 hashed sample of its conversations, ``--
   budget) vs ``--no-chunked-prefill``: p99 and max ITL, TTFT;
 * split, no prefix caching + least-loaded routing (the baseline, as before these features), prefix
   caching + least-loaded, and prefix caching + prefix-aware routing + conditional disaggregation
-  (the defaults), each with 1 + 1 and 2 + 2 workers: prefix hit rate, TTFT p50/p90/mean, KV bytes moved from prefill to decode
-  (``pdserve:kv_transfer_bytes`` on the router's /metrics), requests prefilled on the decode worker.
+  (the defaults), each with 1 + 1 and 2 + 2 workers: prefix hit rate, TTFT p50/p90/mean, KV bytes
+  moved from prefill to decode (``pdserve:kv_transfer_bytes`` on the router's /metrics), requests
+  prefilled on the decode worker.
 
 It prints one markdown table per trace and the ratios the README quotes. Loopback only, bounded.
 
@@ -35,7 +36,8 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.loadgen.args import add_workload_args, build_specs
-from pdserve.loadgen.metrics import prefix_cache_report, prefix_reuse_ceiling, summarize
+from pdserve.loadgen.metrics import prefix_reuse_ceiling, summarize
+from pdserve.loadgen.prefix_cache import prefix_cache_report
 from pdserve.loadgen.targets import GrpcBackend
 
 VARIANTS = {  # name -> (placement, engine changes, cluster changes)
@@ -84,32 +86,24 @@ async def run_variant(cfg: ClusterConfig, specs) -> dict:
         metrics = scrape(cluster.http_address)
     s = summarize(records)
     return {
-        "ttft_p50": s["ttft_s"]["p50"],
-        "ttft_p90": s["ttft_s"]["p90"],
-        "ttft_mean": s["ttft_s"]["mean"],
-        "itl_p99": s["itl_s"]["p99"],
-        "itl_max": s["itl_s"]["max"],
-        "failed": s["failed"],
-        "hit_rate": (cache or {}).get("hit_rate"),
-        "kv_bytes": metrics.get("pdserve:kv_transfer_bytes_sum", 0.0),
-        "on_decode": metrics.get("pdserve:requests_prefilled_on_decode_total", 0.0),
+        **{k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "itl_p99_s", "itl_max_s", "failed")},
+        "prefix_hit_rate": (cache or {}).get("hit_rate"),
+        "kv_transfer_bytes": metrics.get("pdserve:kv_transfer_bytes_sum", 0.0),
+        "prefilled_on_decode": metrics.get("pdserve:requests_prefilled_on_decode_total", 0.0),
     }
 
 
 def table(trace: str, rows: dict[str, dict]) -> str:
     head = (
-        "| variant | TTFT p50 ms | TTFT p90 ms | TTFT mean ms | p99 ITL ms | max ITL ms | prefix hit rate "
-        "| KV MB moved | prefilled on decode | failed |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| variant | ttft_p50_ms | ttft_p90_ms | ttft_mean_ms | itl_p99_ms | itl_max_ms | prefix_hit_rate "
+        "| kv_transfer_mb | prefilled_on_decode | failed |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for name, r in rows.items():
-        hit = "n/a" if r["hit_rate"] is None else f"{r['hit_rate'] * 100:.0f}%"
-        kv = f"{r['kv_bytes'] / 1e6:.1f}" if name.startswith("split") else "-"
-        lines.append(
-            f"| {name} | {r['ttft_p50'] * 1e3:.0f} | {r['ttft_p90'] * 1e3:.0f} | {r['ttft_mean'] * 1e3:.0f} "
-            f"| {r['itl_p99'] * 1e3:.0f} | {r['itl_max'] * 1e3:.0f} | {hit} | {kv} | {r['on_decode']:.0f} "
-            f"| {r['failed']} |"
-        )
+        hit = "n/a" if r["prefix_hit_rate"] is None else f"{r['prefix_hit_rate'] * 100:.0f}%"
+        kv = f"{r['kv_transfer_bytes'] / 1e6:.1f}" if name.startswith("split") else "-"
+        ms = [f"{r[k] * 1e3:.0f}" for k in ("ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "itl_p99_s", "itl_max_s")]
+        lines.append(f"| {name} | {' | '.join(ms)} | {hit} | {kv} | {r['prefilled_on_decode']:.0f} | {r['failed']} |")
     return f"**{trace}**\n\n" + head + "\n".join(lines)
 
 
@@ -123,21 +117,21 @@ def ratios(rows: dict[str, dict]) -> list[str]:
 
     out = []
     for chunked in ("colocated-chunked", "colocated-chunked-256"):
-        r = ratio("itl_p99", chunked, "colocated-unchunked")
+        r = ratio("itl_p99_s", chunked, "colocated-unchunked")
         if r:
             out.append(
-                f"p99 ITL, {chunked} / colocated-unchunked: {r} (target <= 0.33); max ITL: "
-                f"{ratio('itl_max', chunked, 'colocated-unchunked')}; mean TTFT: "
-                f"{ratio('ttft_mean', chunked, 'colocated-unchunked')}"
+                f"itl_p99, {chunked} / colocated-unchunked: {r} (target <= 0.33); itl_max: "
+                f"{ratio('itl_max_s', chunked, 'colocated-unchunked')}; ttft_mean: "
+                f"{ratio('ttft_mean_s', chunked, 'colocated-unchunked')}"
             )
     for aware, bases in (
         ("split-cache-prefix-aware", ("split-cache-least-loaded", "split-no-cache")),
         ("split-2x2-cache-prefix-aware", ("split-2x2-cache-least-loaded", "split-2x2-no-cache")),
     ):
         for base in bases:
-            t, kv = ratio("ttft_mean", aware, base), ratio("kv_bytes", aware, base)
+            t, kv = ratio("ttft_mean_s", aware, base), ratio("kv_transfer_bytes", aware, base)
             if t:
-                out.append(f"{aware} / {base}: mean TTFT {t} (target <= 0.6), KV bytes {kv} (target <= 0.7)")
+                out.append(f"{aware} / {base}: ttft_mean {t} (target <= 0.6), kv_transfer_bytes {kv} (target <= 0.7)")
     return out
 
 
@@ -159,8 +153,9 @@ def main() -> None:
         args.conversation_sample = (sample or CONVERSATION_SAMPLE.get(trace)) if trace.startswith("mooncake") else None
         args.prompts = args.prompts or "random"
         specs = build_specs(args, tokenizer, max_len, args.rate)
+        mean_prompt = sum(len(s.prompt_token_ids) for s in specs) / len(specs)
         print(
-            f"{trace}: {len(specs)} requests, mean prompt {sum(len(s.prompt_token_ids) for s in specs) / len(specs):.0f} "
+            f"{trace}: {len(specs)} requests, mean prompt {mean_prompt:.0f} "
             f"tokens, reuse ceiling {prefix_reuse_ceiling([s.prompt_token_ids for s in specs]) * 100:.0f}% "
             f"(conversation sample {args.conversation_sample})",
             flush=True,

@@ -35,7 +35,7 @@ def cpu_model() -> str:
 async def timed(client: Client, request) -> tuple[float, float, object]:
     t0 = time.perf_counter()
     res = await client.generate(request)
-    return res.ttft, time.perf_counter() - t0, res
+    return res.ttft_s, time.perf_counter() - t0, res
 
 
 async def main(args: argparse.Namespace) -> None:

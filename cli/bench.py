@@ -15,14 +15,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pdserve.loadgen.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets, slo_from_args
-from pdserve.loadgen.metrics import (
-    RequestRecord,
-    format_prefix_cache,
-    json_safe,
-    prefix_cache_report,
-    prefix_reuse_ceiling,
-    summarize,
-)
+from pdserve.loadgen.metrics import LATENCY_METRICS, RequestRecord, json_safe, prefix_reuse_ceiling, summarize
+from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
 from pdserve.loadgen.workload import RequestSpec
 from pdserve.worker.flags import positive_float
 
@@ -40,7 +34,7 @@ def http_url(text: str) -> str:
     """argparse type for ``--url``: an ``http://HOST[:PORT]`` or ``https://HOST[:PORT]`` base URL."""
     try:
         parts = urlsplit(text)
-        parts.port  # ValueError for a port that is no number in 0..65535
+        _ = parts.port  # ValueError for a port that is no number in 0..65535
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"invalid URL {text!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -95,23 +89,22 @@ def print_summary(summary: dict, title: str, errors: Sequence[str] = ()) -> None
             line += f"; first error{'s' if len(errors) > 1 else ''}: {' | '.join(errors)}"
         Console().print(line, highlight=False, markup=False, soft_wrap=True)
         return
-    t = Table(title=title, header_style="bold")
-    for col in ("metric", "mean", "p50", "p90", "p99"):
+    t = Table(title=title, header_style="bold")  # each cell is the summary key <row>_<column>, in ms
+    for col in ("metric", "mean_ms", "p50_ms", "p90_ms", "p99_ms"):
         t.add_column(col, justify="right")
-    for key, label in (("ttft_s", "TTFT ms"), ("tpot_s", "TPOT ms"), ("itl_s", "ITL ms"), ("e2e_s", "E2E ms")):
-        s = summary[key]
-        t.add_row(label, *(f"{s[k] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")))
+    for name in LATENCY_METRICS:
+        t.add_row(name, *(f"{summary[f'{name}_{k}_s'] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")))
     console = Console()
     console.print(t)
     line = (
-        f"requests {summary['requests']} (ok {summary['completed']}, failed {summary['failed']}) in "
-        f"{summary['duration_s']:.1f}s: {summary['request_throughput']:.2f} req/s, "
-        f"{summary['output_token_throughput']:.1f} output tok/s"
+        f"requests {summary['requests']} (completed {summary['completed']}, failed {summary['failed']}), "
+        f"duration_s {summary['duration_s']:.1f}: request_throughput_rps {summary['request_throughput_rps']:.2f}, "
+        f"output_tokens_per_s {summary['output_tokens_per_s']:.1f}"
     )
-    if "goodput" in summary:
+    if "goodput_rps" in summary:
         line += (
-            f"; SLO TTFT {summary['slo']['ttft_s'] * 1e3:.0f} ms + TPOT {summary['slo']['tpot_s'] * 1e3:.0f} ms: "
-            f"attainment {summary['slo_attainment'] * 100:.0f}%, goodput {summary['goodput']:.2f} req/s"
+            f"; slo_ttft_ms {summary['slo_ttft_s'] * 1e3:.0f}, slo_tpot_ms {summary['slo_tpot_s'] * 1e3:.0f}: "
+            f"slo_attainment {summary['slo_attainment'] * 100:.0f}%, goodput_rps {summary['goodput_rps']:.2f}"
         )
     console.print(line)
     if summary.get("kv_transfer_bytes") or summary.get("prefilled_on_decode"):
@@ -232,7 +225,7 @@ def cmd_bench(args) -> int:
         summary.update(
             placement=info.placement,
             model=info.model,
-            rate=args.rate,
+            rate_rps=args.rate,
             sent=len(records),
             scheduled=len(specs),
             interrupted=interrupted,

@@ -11,45 +11,45 @@ from urllib.parse import urlsplit
 
 from pdserve.cli.bench import bench_once, is_loopback, write_results
 from pdserve.loadgen.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets, slo_from_args
-from pdserve.loadgen.metrics import SLO, json_safe, summarize
+from pdserve.loadgen.metrics import SLO, json_safe, read_summary, summarize
 from pdserve.loadgen.runner import unloaded_latency
 from pdserve.loadgen.targets import GrpcBackend
 
-TABLE_COLUMNS = (
-    "rate req/s",
+TABLE_COLUMNS = (  # the summary keys, milliseconds where a summary holds seconds
+    "rate_rps",
     "placement",
-    "goodput req/s",
-    "SLO met",
-    "p90 TTFT ms",
-    "p90 TPOT ms",
-    "mean TTFT ms",
-    "mean TPOT ms",
-    "output tok/s",
+    "goodput_rps",
+    "slo_attainment",
+    "ttft_p90_ms",
+    "tpot_p90_ms",
+    "ttft_mean_ms",
+    "tpot_mean_ms",
+    "output_tokens_per_s",
     "failed",
 )
 
 
 def table_rows(summaries: dict) -> list[list[str]]:
-    """One row per (rate, placement) from summarize() outputs."""
+    """One row per (rate, placement) from summarize() outputs (also ones read back from summary.json)."""
     rows = []
     rates = sorted({r for per in summaries.values() for r in per})
     for rate in rates:
         for placement, per in summaries.items():
-            s = per.get(rate)
-            if s is None:
+            if per.get(rate) is None:
                 continue
+            s = read_summary(per[rate])
             label = placement + (" (partial)" if s.get("interrupted") else "")
             rows.append(
                 [
                     f"{rate:g}",
                     label,
-                    f"{s['goodput']:.2f}",
+                    f"{s['goodput_rps']:.2f}",
                     f"{s['slo_attainment'] * 100:.0f}%",
-                    f"{s['ttft_s']['p90'] * 1e3:.0f}",
-                    f"{s['tpot_s']['p90'] * 1e3:.1f}",
-                    f"{s['ttft_s']['mean'] * 1e3:.0f}",
-                    f"{s['tpot_s']['mean'] * 1e3:.1f}",
-                    f"{s['output_token_throughput']:.1f}",
+                    f"{s['ttft_p90_s'] * 1e3:.0f}",
+                    f"{s['tpot_p90_s'] * 1e3:.1f}",
+                    f"{s['ttft_mean_s'] * 1e3:.0f}",
+                    f"{s['tpot_mean_s'] * 1e3:.1f}",
+                    f"{s['output_tokens_per_s']:.1f}",
                     str(s["failed"]),
                 ]
             )
@@ -114,14 +114,16 @@ def cmd_compare(args) -> int:
         with start_cluster(cfg) as cluster:
             ttft0, tpot0 = asyncio.run(_on(lambda: GrpcBackend(cluster.address), unloaded_latency, workloads[rates[0]]))
             unloaded[placement] = {"ttft_s": ttft0, "tpot_s": tpot0}
-            console.print(f"  unloaded single request: TTFT {ttft0 * 1e3:.1f} ms, TPOT {tpot0 * 1e3:.1f} ms")
+            console.print(f"  unloaded single request: ttft_ms {ttft0 * 1e3:.1f}, tpot_ms {tpot0 * 1e3:.1f}")
             if slo is None:
                 slo = SLO(args.slo_scale * ttft0, args.slo_scale * tpot0)
                 slo_note = (
                     f"{args.slo_scale:g} x the unloaded single-request TTFT/TPOT measured on {placement} "
                     f"at the start of the run"
                 )
-                console.print(f"  SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, TPOT {slo.tpot_s * 1e3:.1f} ms ({slo_note})")
+                console.print(
+                    f"  SLO: slo_ttft_ms {slo.ttft_s * 1e3:.0f}, slo_tpot_ms {slo.tpot_s * 1e3:.1f} ({slo_note})"
+                )
             interrupted = _sweep(
                 placement, lambda: GrpcBackend(cluster.address), workloads, slo, args, out, console, runs, summaries
             )
@@ -144,7 +146,7 @@ def cmd_compare(args) -> int:
     for r in rows:
         table.add_row(*r)
     console.print(table)
-    console.print(f"SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, TPOT {slo.tpot_s * 1e3:.1f} ms ({slo_note})")
+    console.print(f"SLO: slo_ttft_ms {slo.ttft_s * 1e3:.0f}, slo_tpot_ms {slo.tpot_s * 1e3:.1f} ({slo_note})")
     plots = write_all(runs, summaries, out, slo)
     (out / "table.md").write_text(markdown_table(rows))
     (out / "compare.json").write_text(
@@ -185,14 +187,14 @@ def _sweep(
         records, interrupted = asyncio.run(_on(open_backend, bench_once, specs, f"{label}@{rate:g}", args.max_duration))
         # a stopped run lasted as long as it ran, not until its last finished request
         summary = summarize(records, slo, duration_s=time.perf_counter() - t0 if interrupted else None)
-        summary.update(placement=label, rate=rate, interrupted=interrupted)
+        summary.update(placement=label, rate_rps=rate, interrupted=interrupted)
         runs.setdefault(label, {})[rate] = records
         summaries.setdefault(label, {})[rate] = summary
         write_results(out / label / f"rate_{rate:g}", records, summary)
         console.print(
-            f"  {rate:g} req/s: goodput {summary['goodput']:.2f} req/s, "
-            f"p90 TTFT {summary['ttft_s']['p90'] * 1e3:.0f} ms, "
-            f"p90 TPOT {summary['tpot_s']['p90'] * 1e3:.1f} ms, failed {summary['failed']}"
+            f"  rate_rps {rate:g}: goodput_rps {summary['goodput_rps']:.2f}, "
+            f"ttft_p90_ms {summary['ttft_p90_s'] * 1e3:.0f}, "
+            f"tpot_p90_ms {summary['tpot_p90_s'] * 1e3:.1f}, failed {summary['failed']}"
         )
         if interrupted:
             console.print("[bold]interrupted[/]: this rate is partial; skipping the rest of the sweep")

@@ -1,51 +1,54 @@
-"""Per-request records and the serving metrics computed from them.
+"""Per-request records and the serving metrics computed from them: the one definition of the
+percentile, the SLO check, goodput and the run summary that ``pdserve bench``, ``pdserve compare``
+and the benchmark scripts use.
 
-Definitions follow the usual LLM serving benchmarks (vLLM's ``benchmark_serving``,
-SGLang's ``bench_serving``):
+* TTFT, TPOT, ITL, E2E latency: :class:`pdserve.router.timings.RequestTiming` (seconds; vLLM's
+  ``benchmark_serving``), which :class:`RequestRecord` extends, as the router's client does.
+* Percentile: linear interpolation between the two nearest values (numpy's default, and what
+  vLLM's ``benchmark_serving`` reports); nan values are ignored.
+* SLO check: a request meets the SLO when it finished normally, TTFT <= the TTFT SLO and TPOT <=
+  the TPOT SLO; a request with a single output token has no TPOT and meets that SLO (as in vLLM).
+* Goodput: requests meeting the SLO per second of the run, requests/s (DistServe, Zhong et al.,
+  "DistServe: Disaggregating Prefill and Decoding for Goodput-optimized Large Language Model
+  Serving", OSDI 2024). SLO attainment is the fraction of all requests that meet it; failed
+  requests count as misses.
+* Prefix-reuse ceiling: the hit rate an infinite prefix cache would reach on a run's prompts
+  (per-worker hit rates: :mod:`pdserve.loadgen.prefix_cache`).
+* JSON: :func:`json_safe` writes nan and inf as null.
 
-* TTFT (time to first token): request sent -> first output token received by the client.
-* TPOT (time per output token): ``(E2E - TTFT) / (output tokens - 1)``, i.e. the first token
-  is excluded; undefined (nan) for requests with fewer than two output tokens.
-* ITL (inter-token latency): gap between consecutive token arrivals; tokens delivered in one
-  stream message share an arrival time and so give 0-second gaps.
-* E2E latency: request sent -> last output token received.
-* Goodput: requests per second that meet *both* the TTFT and the TPOT SLO, as defined by
-  DistServe (Zhong et al., "DistServe: Disaggregating Prefill and Decoding for Goodput-optimized
-  Large Language Model Serving", OSDI 2024). SLO attainment is the fraction of all requests that
-  meet both; failed requests count as misses, and a request with a single output token meets the
-  TPOT SLO (as in vLLM).
-* Prefix-cache hit rate (per worker, over a run): prompt tokens whose KV came from the worker's
-  prefix cache / prompt tokens the worker admitted, from its counters before and after the run.
-
-All times are seconds relative to the start of the run (``time.perf_counter`` based).
+Summary keys end in their unit: ``_s`` seconds, ``_ms`` milliseconds (printed tables), ``_rps``
+requests per second, ``_tokens_per_s`` tokens per second, ``_bytes``; counts and fractions have
+none. Times are seconds relative to the start of the run (``time.perf_counter`` based).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 
+from pdserve.router.timings import NAN, RequestTiming
+
 OK_FINISH_REASONS = ("stop", "length")
 BREAKDOWN_KEYS = ("queue", "prefill", "kv_transfer", "decode")
-
-NAN = float("nan")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+STATS = ("mean", "p50", "p90", "p99", "min", "max")
 
 
 @dataclass
-class RequestRecord:
-    """One request of a benchmark run. Times in seconds, relative to the run start (time.perf_counter based)."""
+class RequestRecord(RequestTiming):
+    """One request of a benchmark run: :class:`RequestTiming`'s ``sent_s`` and ``token_times_s``
+    (seconds relative to the run start, time.perf_counter based) and its metrics, plus what the
+    server said about it."""
 
     index: int
     request_id: str
     scheduled_s: float  # when it was due to be sent
-    sent_s: float  # when it was actually sent
     prompt_tokens: int
     max_tokens: int
-    token_times_s: list[float] = field(default_factory=list)  # arrival time of each output token
     finish_reason: str = ""  # "stop" | "length" | "abort" | "error" | "" (cancelled before finishing)
     error: str = ""
     # server-side breakdown from the final stream message (seconds), 0 when unknown
@@ -58,35 +61,9 @@ class RequestRecord:
     cached_prompt_tokens: int = 0  # prompt tokens served from a worker's prefix cache
 
     @property
-    def output_tokens(self) -> int:
-        return len(self.token_times_s)
-
-    @property
     def ok(self) -> bool:
         """No error and a normal finish ("stop" or "length")."""
         return not self.error and self.finish_reason in OK_FINISH_REASONS
-
-    @property
-    def ttft_s(self) -> float:
-        """First token arrival - sent_s; nan if no tokens arrived."""
-        return self.token_times_s[0] - self.sent_s if self.token_times_s else NAN
-
-    @property
-    def e2e_s(self) -> float:
-        """Last token arrival - sent_s; nan if no tokens arrived."""
-        return self.token_times_s[-1] - self.sent_s if self.token_times_s else NAN
-
-    @property
-    def tpot_s(self) -> float:
-        """(E2E - TTFT) / (output_tokens - 1): the first token is excluded; nan below two tokens."""
-        n = self.output_tokens
-        return (self.e2e_s - self.ttft_s) / (n - 1) if n >= 2 else NAN
-
-    @property
-    def itl_s(self) -> list[float]:
-        """Gaps between consecutive token arrivals (``output_tokens - 1`` entries)."""
-        t = self.token_times_s
-        return [b - a for a, b in zip(t, t[1:])]
 
     def to_json(self) -> dict:
         """Every field plus the derived metrics, JSON-safe (nan -> None)."""
@@ -117,7 +94,7 @@ class SLO:
     tpot_s: float
 
     def met(self, r: RequestRecord) -> bool:
-        """True when ``r`` finished normally, TTFT <= the SLO and TPOT <= the SLO.
+        """True when ``r`` finished normally, TTFT <= the SLO and TPOT <= the SLO (both inclusive).
 
         A request with fewer than two output tokens has no TPOT and meets that SLO (as vLLM does).
         """
@@ -131,27 +108,28 @@ def _clean(values: Iterable[float]) -> np.ndarray:
     return a[~np.isnan(a)]
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """p-th percentile (0..100) with linear interpolation (numpy's default); nan inputs are ignored, nan if empty."""
+def percentile(values: Iterable[float], p: float) -> float:
+    """p-th percentile (0..100) of ``values``, in their unit, with linear interpolation (numpy's
+    default, as vLLM's ``benchmark_serving``); nan and None are ignored; nan when nothing is left."""
     a = _clean(values)
     return float(np.percentile(a, p)) if a.size else NAN
 
 
 def stats(values: Iterable[float]) -> dict:
-    """``{"mean","p50","p90","p99","min","max","count"}`` over the non-nan values (nan when there are none)."""
+    """``{"mean","p50","p90","p99","min","max","count"}`` over the non-nan values, in their unit (nan
+    when there are none); the percentiles are :func:`percentile`'s."""
     a = _clean(values)
     if not a.size:
-        return {"mean": NAN, "p50": NAN, "p90": NAN, "p99": NAN, "min": NAN, "max": NAN, "count": 0}
-    p50, p90, p99 = (float(x) for x in np.percentile(a, [50, 90, 99]))
-    return {
-        "mean": float(a.mean()),
-        "p50": p50,
-        "p90": p90,
-        "p99": p99,
-        "min": float(a.min()),
-        "max": float(a.max()),
-        "count": int(a.size),
-    }
+        return {**dict.fromkeys(STATS, NAN), "count": 0}
+    out = {"mean": float(a.mean())}
+    out.update({f"p{p}": percentile(a, p) for p in (50, 90, 99)})
+    return {**out, "min": float(a.min()), "max": float(a.max()), "count": int(a.size)}
+
+
+def _latency(name: str, values_s: Iterable[float]) -> dict:
+    """``{name}_{stat}_s`` for each of :data:`STATS` and ``{name}_count``."""
+    s = stats(values_s)
+    return {**{f"{name}_{k}_s": s[k] for k in STATS}, f"{name}_count": s["count"]}
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -160,7 +138,7 @@ def _mean(values: Iterable[float]) -> float:
 
 
 def run_duration(records: Sequence[RequestRecord]) -> float:
-    """From the first ``sent_s`` to the last token arrival of any request; nan when undefined."""
+    """Seconds from the first ``sent_s`` to the last token arrival of any request; nan when undefined."""
     starts = _clean(r.sent_s for r in records)
     ends = _clean(t for r in records for t in r.token_times_s)
     if not starts.size or not ends.size:
@@ -178,90 +156,73 @@ def _rate(count: float, duration_s: float, requests: int) -> float:
 
 
 def summarize(records: Sequence[RequestRecord], slo: SLO | None = None, duration_s: float | None = None) -> dict:
-    """Aggregate metrics of one run.
+    """Aggregate metrics of one run, in flat keys that end in their unit (module docstring).
 
-    Latency stats (TTFT, TPOT, pooled ITL, E2E) and the server-side breakdown cover the ok
-    requests only; throughputs are per second of ``duration_s`` (default: :func:`run_duration`;
-    a zero or undefined duration gives nan throughputs). With an ``slo``, ``slo_attainment`` is the
-    fraction of *all* requests meeting both SLOs and ``goodput`` their count per second
-    (DistServe, OSDI 2024). See the module docstring for the definitions.
+    ``ttft_p90_s``, ``e2e_mean_s``, ... (TTFT, TPOT, pooled ITL, E2E: mean, p50, p90, p99, min, max,
+    seconds; ``ttft_count``, ...: how many values) and the server-side breakdown (``queue_mean_s``,
+    ``prefill_mean_s``, ``kv_transfer_mean_s``, ``decode_mean_s``) cover the ok requests only.
+    ``request_throughput_rps``, ``output_tokens_per_s`` and ``total_tokens_per_s`` are per second of
+    ``duration_s`` (default: :func:`run_duration`; a zero or undefined duration gives nan). With an
+    ``slo``: ``slo_ttft_s``, ``slo_tpot_s``, ``slo_attainment`` (the fraction of *all* requests
+    meeting it, :meth:`SLO.met`) and ``goodput_rps`` (their count per second; DistServe).
     """
     records = list(records)
     n = len(records)
     ok = [r for r in records if r.ok]
     duration = run_duration(records) if duration_s is None else float(duration_s)
-    out: dict[str, Any] = {
-        "requests": len(records),
-        "completed": len(ok),
-        "failed": len(records) - len(ok),
-        "duration_s": duration,
-        "ttft_s": stats(r.ttft_s for r in ok),
-        "tpot_s": stats(r.tpot_s for r in ok),
-        "itl_s": stats(g for r in ok for g in r.itl_s),
-        "e2e_s": stats(r.e2e_s for r in ok),
-        "request_throughput": _rate(len(ok), duration, n),
-        "output_token_throughput": _rate(sum(r.output_tokens for r in ok), duration, n),
-        "total_token_throughput": _rate(sum(r.prompt_tokens + r.output_tokens for r in ok), duration, n),
-        "breakdown_s": {k: _mean(getattr(r, f"{k}_s") for r in ok) for k in BREAKDOWN_KEYS},
-        "kv_transfer_bytes": sum(r.kv_transfer_bytes for r in ok),
-        "prefilled_on_decode": sum(r.prefilled_on_decode for r in ok),
-        "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in ok),
-    }
+    out: dict[str, Any] = {"requests": n, "completed": len(ok), "failed": n - len(ok), "duration_s": duration}
+    out.update(_latency("ttft", (r.ttft_s for r in ok)))
+    out.update(_latency("tpot", (r.tpot_s for r in ok)))
+    out.update(_latency("itl", (g for r in ok for g in r.itl_s)))
+    out.update(_latency("e2e", (r.e2e_s for r in ok)))
+    out.update(
+        request_throughput_rps=_rate(len(ok), duration, n),
+        output_tokens_per_s=_rate(sum(r.output_tokens for r in ok), duration, n),
+        total_tokens_per_s=_rate(sum(r.prompt_tokens + r.output_tokens for r in ok), duration, n),
+        **{f"{k}_mean_s": _mean(getattr(r, f"{k}_s") for r in ok) for k in BREAKDOWN_KEYS},
+        kv_transfer_bytes=sum(r.kv_transfer_bytes for r in ok),
+        prefilled_on_decode=sum(r.prefilled_on_decode for r in ok),
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok),
+    )
     if slo is not None:
         good = sum(1 for r in records if slo.met(r))
-        out["slo"] = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
-        out["slo_attainment"] = good / len(records) if records else NAN
-        out["goodput"] = _rate(good, duration, n)
+        out.update(slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+        out["slo_attainment"] = good / n if records else NAN
+        out["goodput_rps"] = _rate(good, duration, n)
     return out
 
 
-@dataclass(frozen=True)
-class WorkerPrefixCounters:
-    """One worker's prefix-cache counters (``WorkerStats``), in prompt tokens since it started."""
-
-    role: str  # "prefill", "decode" or "colocated"
-    address: str  # host:port
-    query_tokens: int  # prompt tokens admitted (a recomputed request counts again)
-    hit_tokens: int  # of those, tokens whose KV came from the prefix cache
-
-
-def _hit_rate(hit: int, query: int) -> float:
-    return hit / query if query else NAN
+# summary keys as an earlier pdserve wrote them -> the keys :func:`summarize` writes
+_RENAMED = {
+    "request_throughput": "request_throughput_rps",
+    "output_token_throughput": "output_tokens_per_s",
+    "total_token_throughput": "total_tokens_per_s",
+    "goodput": "goodput_rps",
+    "rate": "rate_rps",
+}
 
 
-def prefix_cache_report(
-    before: Sequence[WorkerPrefixCounters] | None, after: Sequence[WorkerPrefixCounters] | None
-) -> dict | None:
-    """Each worker's prefix-cache hit rate over a run, from snapshots ``before`` and ``after`` it.
-
-    Workers are matched by address; one only in ``after`` (it replaced a worker during the run) or
-    whose counters went down (it restarted) counts from zero. ``hit_rate`` is hit / query tokens,
-    nan for a worker that admitted no prompt (a decode worker). Returns ``{"workers": [{"role",
-    "address", "query_tokens", "hit_tokens", "hit_rate"}, ...], "query_tokens", "hit_tokens",
-    "hit_rate"}`` (the last three over all workers), or None when a snapshot is missing (the server
-    does not report the counters to this client).
-    """
-    if before is None or after is None:
-        return None
-    start = {w.address: w for w in before}
-    workers = []
-    for w in after:
-        b = start.get(w.address)
-        if b is not None and w.query_tokens >= b.query_tokens and w.hit_tokens >= b.hit_tokens:
-            query, hit = w.query_tokens - b.query_tokens, w.hit_tokens - b.hit_tokens
-        else:  # started or restarted during the run
-            query, hit = w.query_tokens, w.hit_tokens
-        workers.append(
-            {
-                "role": w.role,
-                "address": w.address,
-                "query_tokens": query,
-                "hit_tokens": hit,
-                "hit_rate": _hit_rate(hit, query),
-            }
-        )
-    query, hit = sum(w["query_tokens"] for w in workers), sum(w["hit_tokens"] for w in workers)
-    return {"workers": workers, "query_tokens": query, "hit_tokens": hit, "hit_rate": _hit_rate(hit, query)}
+def read_summary(summary: dict) -> dict:
+    """``summary`` in :func:`summarize`'s keys, also when it comes from a summary.json written with
+    the nested keys (``{"ttft_s": {"p90": ...}}``, ``breakdown_s``, ``slo``) and the unitless
+    throughput names of earlier releases. A summary in the current keys comes back unchanged (a copy)."""
+    out = dict(summary)
+    for name in LATENCY_METRICS:
+        nested = out.get(f"{name}_s")
+        if isinstance(nested, dict):
+            del out[f"{name}_s"]
+            for k, v in nested.items():
+                out.setdefault(f"{name}_count" if k == "count" else f"{name}_{k}_s", v)
+    for k, v in (out.pop("breakdown_s", None) or {}).items():
+        out.setdefault(f"{k}_mean_s", v)
+    if isinstance(out.get("slo"), dict):
+        slo = out.pop("slo")
+        out.setdefault("slo_ttft_s", slo.get("ttft_s"))
+        out.setdefault("slo_tpot_s", slo.get("tpot_s"))
+    for old, new in _RENAMED.items():
+        if old in out:
+            out.setdefault(new, out.pop(old))
+    return out
 
 
 def prefix_reuse_ceiling(prompts: Sequence[Sequence[int]], block_size: int = 16) -> float:
@@ -282,29 +243,6 @@ def prefix_reuse_ceiling(prompts: Sequence[Sequence[int]], block_size: int = 16)
         total += len(ids)
         seen.update(keys)
     return hit / total if total else 0.0
-
-
-def format_prefix_cache(report: dict | None) -> str:
-    """Lines for the printed summary: each worker's hit rate (``n/a`` where it admitted no prompt),
-    then all workers', or one ``n/a`` line with the reason when there is no ``report``."""
-    if report is None:
-        return (
-            "prefix cache hit rate: n/a (per-worker stats need pdserve's gRPC API and the cluster secret "
-            "in $PDSERVE_CLUSTER_SECRET)"
-        )
-
-    def rate(d: dict) -> str:
-        if not d["query_tokens"]:
-            return "n/a"
-        return f"{d['hit_rate'] * 100:.1f}% ({d['hit_tokens']:,} / {d['query_tokens']:,})"
-
-    lines = [f"  {w['role']} {w['address']}: {rate(w)}" for w in report["workers"]]
-    lines.append(f"  all workers: {rate(report)}")
-    if report.get("ceiling") is not None:
-        lines.append(
-            f"  ceiling of these prompts (an infinite cache of 16-token blocks): {report['ceiling'] * 100:.1f}%"
-        )
-    return "\n".join(["prefix cache hit rate (cached / admitted prompt tokens):", *lines])
 
 
 def json_safe(obj: Any) -> Any:

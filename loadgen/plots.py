@@ -2,7 +2,8 @@
 
 Inputs: ``runs`` maps placement name -> request rate (req/s) -> list of
 :class:`~pdserve.loadgen.metrics.RequestRecord`; ``summaries`` has the same keys and holds the output of
-:func:`~pdserve.loadgen.metrics.summarize`. Figures are drawn on matplotlib's Agg canvas without pyplot,
+:func:`~pdserve.loadgen.metrics.summarize` (or a summary.json read back, in any release's keys:
+:func:`~pdserve.loadgen.metrics.read_summary`). Figures are drawn on matplotlib's Agg canvas without pyplot,
 so nothing global is touched and nothing is ever shown on screen.
 """
 
@@ -17,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from pdserve.loadgen.metrics import BREAKDOWN_KEYS, SLO, RequestRecord
+from pdserve.loadgen.metrics import BREAKDOWN_KEYS, SLO, RequestRecord, read_summary
 
 DPI = 120
 _PLACEMENT_COLORS = {"colocated": "tab:blue", "split": "tab:orange"}
@@ -48,12 +49,17 @@ def _get(per_rate: Mapping[float, object], rate: float):
     return None
 
 
-def _ms(x) -> float:
+def _num(x) -> float:
+    """``x`` as a float; nan for None (a summary.json's null) and what is no number."""
     try:
         x = float(x)
     except (TypeError, ValueError):
         return math.nan
-    return x * 1e3 if math.isfinite(x) else math.nan
+    return x if math.isfinite(x) else math.nan
+
+
+def _ms(seconds) -> float:
+    return _num(seconds) * 1e3
 
 
 def _finite(values) -> np.ndarray:
@@ -115,11 +121,12 @@ def plot_vs_rate(summaries: Summaries, out_path) -> Path:
     colors = _colors(list(summaries))
     fig = Figure(figsize=(14.0, 4.2))
     axes = fig.subplots(1, 3, squeeze=False)[0]
-    has_goodput = any("goodput" in s for per_rate in summaries.values() for s in per_rate.values())
+    summaries = {name: {r: read_summary(s) for r, s in per_rate.items()} for name, per_rate in summaries.items()}
+    has_goodput = any("goodput_rps" in s for per_rate in summaries.values() for s in per_rate.values())
     panels = [
-        ("p90 TTFT vs request rate", "p90 TTFT (ms)", lambda s: _ms(s.get("ttft_s", {}).get("p90"))),
-        ("p90 TPOT vs request rate", "p90 TPOT (ms)", lambda s: _ms(s.get("tpot_s", {}).get("p90"))),
-        ("goodput vs request rate", "goodput (req/s)", lambda s: float(s.get("goodput", math.nan))),
+        ("p90 TTFT vs request rate", "p90 TTFT (ms)", lambda s: _ms(s.get("ttft_p90_s"))),
+        ("p90 TPOT vs request rate", "p90 TPOT (ms)", lambda s: _ms(s.get("tpot_p90_s"))),
+        ("goodput vs request rate", "goodput (req/s)", lambda s: _num(s.get("goodput_rps"))),
     ]
     for ax, (title, ylabel, value) in zip(axes, panels):
         drawn = False
@@ -160,9 +167,8 @@ def plot_breakdown(summaries: Summaries, out_path) -> Path:
         hatch = _HATCHES[i % len(_HATCHES)]
         for j, rate in enumerate(rates):
             x = j + (i - (len(names) - 1) / 2) * width
-            summary = _get(summaries[name], rate) or {}
-            parts = summary.get("breakdown_s", {})
-            values = [_ms(parts.get(k)) for k in BREAKDOWN_KEYS]
+            summary = read_summary(_get(summaries[name], rate) or {})
+            values = [_ms(summary.get(f"{k}_mean_s")) for k in BREAKDOWN_KEYS]
             if not any(math.isfinite(v) for v in values):
                 ax.text(x, 0, f"{name}:\nno data", ha="center", va="bottom", fontsize="x-small", color="gray")
                 continue

@@ -23,7 +23,8 @@ from typing import Protocol
 import grpc
 import httpx
 
-from pdserve.loadgen.metrics import RequestRecord, WorkerPrefixCounters
+from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.prefix_cache import WorkerPrefixCounters
 from pdserve.loadgen.workload import RequestSpec
 from pdserve.router.client import FINISH_NAMES, Client, make_request
 from pdserve.rpc.auth import cluster_secret, internal_channel

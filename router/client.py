@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.router.timings import RequestTiming
 from pdserve.rpc.auth import API_KEY_ENV, SECRET_HEADER, client_channel
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import generate_pb2 as PB
@@ -22,29 +23,25 @@ FINISH_NAMES = {
 
 
 @dataclass
-class GenerationResult:
-    """One finished stream as the client saw it. Times are seconds (``time.perf_counter``)."""
+class GenerationResult(RequestTiming):
+    """One finished stream as the client saw it. ``sent_s`` and ``token_times_s`` are
+    ``time.perf_counter`` readings (seconds); TTFT, TPOT, ITL and E2E latency (``ttft_s``,
+    ``tpot_s``, ``itl_s``, ``e2e_s``, seconds) are :class:`~pdserve.router.timings.RequestTiming`'s,
+    the definitions the load generator uses too."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     finish_reason: str = ""
     error: str = ""
-    sent_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # arrival time of each token
     timings: PB.Timings | None = None
     request_id: str = ""
 
-    @property
-    def ttft(self) -> float:
-        """Time to first token, s: request sent -> first token received."""
-        return self.token_times[0] - self.sent_at if self.token_times else float("nan")
-
-    @property
-    def tpot(self) -> float:
-        """Time per output token after the first, s: (E2E - TTFT) / (n - 1); NaN for n < 2."""
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
+    # The same values, seconds, under the names ``pdserve generate`` and the demo read them by.
+    sent_at = property(lambda self: self.sent_s)
+    token_times = property(lambda self: self.token_times_s)
+    ttft = property(lambda self: self.ttft_s)
+    tpot = property(lambda self: self.tpot_s)
 
 
 def make_request(
@@ -107,14 +104,14 @@ class Client:
 
         Raises grpc.aio.AioRpcError when the server refuses the request (e.g. INVALID_ARGUMENT).
         """
-        res = GenerationResult(sent_at=time.perf_counter())
+        res = GenerationResult(sent_s=time.perf_counter())
         async for msg in self.stream(request, timeout):
             now = time.perf_counter()
             kind = msg.WhichOneof("kind")
             text = ""
             if kind == "chunk":
                 res.token_ids += msg.chunk.token_ids
-                res.token_times += [now] * len(msg.chunk.token_ids)
+                res.token_times_s += [now] * len(msg.chunk.token_ids)
                 res.prompt_tokens = msg.chunk.usage.prompt_tokens
                 text = msg.chunk.text
             elif kind == "complete":

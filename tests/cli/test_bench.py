@@ -172,7 +172,16 @@ def test_make_prompt_pool_checks_names_before_reading(embedded_dir, tmp_path):
 
 
 def _failed(index: int, error: str) -> RequestRecord:
-    return RequestRecord(index, f"bench-{index}", 0.0, 0.0, 16, 4, finish_reason="error", error=error)
+    return RequestRecord(
+        index=index,
+        request_id=f"bench-{index}",
+        scheduled_s=0.0,
+        sent_s=0.0,
+        prompt_tokens=16,
+        max_tokens=4,
+        finish_reason="error",
+        error=error,
+    )
 
 
 def test_summary_of_a_run_with_no_success_names_the_errors(capsys):
@@ -181,12 +190,14 @@ def test_summary_of_a_run_with_no_success_names_the_errors(capsys):
     out = capsys.readouterr().out
     assert "no request succeeded (3 of 3 failed)" in out
     assert "first errors: ConnectError: refused | HTTP 500: x" in out
-    assert "nan" not in out and "TTFT" not in out
+    assert "nan" not in out and "ttft" not in out
 
 
 def test_first_errors_are_distinct_and_few():
     records = [_failed(i, f"e{i % 4}") for i in range(8)]
-    records.append(RequestRecord(9, "bench-9", 0.0, 0.0, 1, 1, finish_reason="abort"))
+    aborted = RequestRecord(index=9, request_id="bench-9", scheduled_s=0.0, prompt_tokens=1, max_tokens=1)
+    aborted.finish_reason = "abort"
+    records.append(aborted)
     assert cli.first_errors(records) == ["e0", "e1", "e2"]
     assert cli.first_errors(records[8:]) == ["finished with reason 'abort'"]
 

@@ -42,17 +42,17 @@ SUMMARY_FIELDS = {
     "completed",
     "failed",
     "duration_s",
-    "ttft_s",
-    "tpot_s",
-    "itl_s",
-    "e2e_s",
-    "request_throughput",
-    "output_token_throughput",
-    "total_token_throughput",
-    "breakdown_s",
-    "slo",
+    *(f"{m}_{k}_s" for m in ("ttft", "tpot", "itl", "e2e") for k in ("mean", "p50", "p90", "p99", "min", "max")),
+    "ttft_count",
+    "request_throughput_rps",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    *(f"{k}_mean_s" for k in ("queue", "prefill", "kv_transfer", "decode")),
+    "slo_ttft_s",
+    "slo_tpot_s",
     "slo_attainment",
-    "goodput",
+    "goodput_rps",
+    "rate_rps",
 }
 
 
@@ -110,7 +110,7 @@ async def test_bench_cli_trace_replay(embedded_dir, datasets, tmp_path, placemen
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary.keys() >= SUMMARY_FIELDS
     assert summary["completed"] == 6 and summary["placement"] == placement
-    assert "goodput" in out.decode()
+    assert "goodput_rps" in out.decode() and "ttft" in out.decode()
     assert summary["prefix_cache"] is None and "prefix cache hit rate: n/a" in out.decode()
 
 
@@ -241,7 +241,7 @@ def test_compare_end_to_end(datasets, tmp_path):
     for per_rate in data["summaries"].values():
         assert set(per_rate) == {"4", "8"}
         for s in per_rate.values():
-            assert s["completed"] == 5 and s["goodput"] is not None
+            assert s["completed"] == 5 and s["goodput_rps"] is not None and s["rate_rps"] in (4, 8)
     assert "unloaded single-request" in data["slo"]["note"]
     table = (tmp_path / "table.md").read_text()
     assert table.count("| colocated |") == 2 and table.count("| split |") == 2

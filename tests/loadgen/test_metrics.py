@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.loadgen.metrics import SLO, RequestRecord, percentile, run_duration, stats, summarize
+from pdserve.loadgen.metrics import SLO, RequestRecord, percentile, read_summary, run_duration, stats, summarize
 
 
 def rec(tokens, sent=0.0, *, finish="stop", error="", prompt=10, index=0, **kw) -> RequestRecord:
@@ -137,11 +137,11 @@ def test_failed_requests_excluded_from_latency_but_counted_as_slo_misses():
     errored = rec([0.1], index=2, finish="error", error="boom")
     s = summarize([good, slow_failed, errored], slo=SLO(1.0, 1.0), duration_s=2.0)
     assert (s["requests"], s["completed"], s["failed"]) == (3, 1, 2)
-    assert s["ttft_s"]["count"] == 1 and s["ttft_s"]["max"] == pytest.approx(0.1)
-    assert s["e2e_s"]["max"] == pytest.approx(0.3)
-    assert s["itl_s"]["count"] == 2
+    assert s["ttft_count"] == 1 and s["ttft_max_s"] == pytest.approx(0.1)
+    assert s["e2e_max_s"] == pytest.approx(0.3)
+    assert s["itl_count"] == 2
     assert s["slo_attainment"] == pytest.approx(1 / 3)
-    assert s["goodput"] == pytest.approx(0.5)
+    assert s["goodput_rps"] == pytest.approx(0.5)
 
 
 def test_goodput_requires_both_slos():
@@ -159,14 +159,14 @@ def test_goodput_requires_both_slos():
     ]
     assert [slo.met(r) for r in records] == [True, True, True] + [False] * 6
     s = summarize(records, slo=slo, duration_s=4.0)
-    assert s["slo"] == {"ttft_s": 0.5, "tpot_s": 0.1}
-    assert s["goodput"] == pytest.approx(3 / 4.0)
+    assert (s["slo_ttft_s"], s["slo_tpot_s"]) == (0.5, 0.1)
+    assert s["goodput_rps"] == pytest.approx(3 / 4.0)
     assert s["slo_attainment"] == pytest.approx(3 / 9)
-    assert s["request_throughput"] == pytest.approx(8 / 4.0)
+    assert s["request_throughput_rps"] == pytest.approx(8 / 4.0)
     # default duration: first send (0) .. last token (2.0)
     s2 = summarize(records, slo=slo)
     assert s2["duration_s"] == pytest.approx(2.0)
-    assert s2["goodput"] == pytest.approx(1.5)
+    assert s2["goodput_rps"] == pytest.approx(1.5)
 
 
 def test_throughput_math_and_default_duration():
@@ -178,12 +178,12 @@ def test_throughput_math_and_default_duration():
     assert run_duration(records) == pytest.approx(6.0)
     s = summarize(records)
     assert s["duration_s"] == pytest.approx(6.0)
-    assert s["request_throughput"] == pytest.approx(2 / 6.0)
-    assert s["output_token_throughput"] == pytest.approx(5 / 6.0)
-    assert s["total_token_throughput"] == pytest.approx(155 / 6.0)
-    assert "goodput" not in s and "slo_attainment" not in s and "slo" not in s
+    assert s["request_throughput_rps"] == pytest.approx(2 / 6.0)
+    assert s["output_tokens_per_s"] == pytest.approx(5 / 6.0)
+    assert s["total_tokens_per_s"] == pytest.approx(155 / 6.0)
+    assert not any(k.startswith(("goodput", "slo")) for k in s)
     s = summarize(records, duration_s=10.0)
-    assert s["output_token_throughput"] == pytest.approx(0.5)
+    assert s["output_tokens_per_s"] == pytest.approx(0.5)
 
 
 def test_breakdown_means_over_ok_requests():
@@ -192,27 +192,28 @@ def test_breakdown_means_over_ok_requests():
         rec([0.1, 0.2], index=1, queue_s=0.03, prefill_s=0.3, kv_transfer_s=0.04, decode_s=0.7),
         rec([0.1, 0.2], index=2, finish="abort", queue_s=9.0, prefill_s=9.0, kv_transfer_s=9.0, decode_s=9.0),
     ]
-    b = summarize(records)["breakdown_s"]
+    s = summarize(records)
+    b = {k: s[f"{k}_mean_s"] for k in ("queue", "prefill", "kv_transfer", "decode")}
     assert b == pytest.approx({"queue": 0.02, "prefill": 0.2, "kv_transfer": 0.03, "decode": 0.6})
 
 
 def test_degenerate_runs_give_nan_not_errors():
     s = summarize([])
     assert (s["requests"], s["completed"], s["failed"]) == (0, 0, 0)
-    assert math.isnan(s["duration_s"]) and math.isnan(s["request_throughput"])
+    assert math.isnan(s["duration_s"]) and math.isnan(s["request_throughput_rps"])
     s = summarize([], slo=SLO(1, 1))
-    assert math.isnan(s["slo_attainment"]) and math.isnan(s["goodput"])
+    assert math.isnan(s["slo_attainment"]) and math.isnan(s["goodput_rps"])
     failed = [rec([], finish="error", error="refused", index=i) for i in range(3)]
     s = summarize(failed, slo=SLO(1, 1))
-    assert s["failed"] == 3 and s["ttft_s"]["count"] == 0 and math.isnan(s["ttft_s"]["p90"])
+    assert s["failed"] == 3 and s["ttft_count"] == 0 and math.isnan(s["ttft_p90_s"])
     # nothing ran to completion: duration is undefined, but throughput and goodput are plainly 0
     assert math.isnan(s["duration_s"])
-    assert s["slo_attainment"] == 0.0 and s["goodput"] == 0.0 and s["request_throughput"] == 0.0
-    assert s["output_token_throughput"] == 0.0
-    assert all(math.isnan(v) for v in s["breakdown_s"].values())
+    assert s["slo_attainment"] == 0.0 and s["goodput_rps"] == 0.0 and s["request_throughput_rps"] == 0.0
+    assert s["output_tokens_per_s"] == 0.0
+    assert all(math.isnan(s[f"{k}_mean_s"]) for k in ("queue", "prefill", "kv_transfer", "decode"))
     # all tokens at the send instant: zero duration -> nan throughput, not ZeroDivisionError
     s = summarize([rec([0.0], sent=0.0)], slo=SLO(1, 1))
-    assert s["duration_s"] == 0.0 and math.isnan(s["request_throughput"]) and math.isnan(s["goodput"])
+    assert s["duration_s"] == 0.0 and math.isnan(s["request_throughput_rps"]) and math.isnan(s["goodput_rps"])
     assert s["slo_attainment"] == 1.0
 
 
@@ -255,20 +256,21 @@ def test_summary_json_safe():
 
     s = summarize([rec([], finish="error", error="x")], slo=SLO(1, 1))
     text = json.dumps(json_safe(s), allow_nan=False)
-    assert json.loads(text)["ttft_s"]["p90"] is None
+    assert json.loads(text)["ttft_p90_s"] is None
 
 
 def test_bench_never_imports_torch_or_ray():
     code = (
-        "import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots; "
+        "import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots, pdserve.loadgen.prefix_cache; "
         "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))
 
 
 def test_prefix_cache_report_takes_deltas_per_worker():
-    from pdserve.loadgen.metrics import WorkerPrefixCounters as W
-    from pdserve.loadgen.metrics import format_prefix_cache, json_safe, prefix_cache_report
+    from pdserve.loadgen.metrics import json_safe
+    from pdserve.loadgen.prefix_cache import WorkerPrefixCounters as W
+    from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
 
     before = [W("prefill", "a:1", 1000, 200), W("decode", "b:2", 0, 0), W("prefill", "c:3", 500, 400)]
     after = [
@@ -294,8 +296,8 @@ def test_prefix_cache_report_takes_deltas_per_worker():
 
 
 def test_prefix_cache_report_without_counters_is_na():
-    from pdserve.loadgen.metrics import WorkerPrefixCounters as W
-    from pdserve.loadgen.metrics import format_prefix_cache, prefix_cache_report
+    from pdserve.loadgen.prefix_cache import WorkerPrefixCounters as W
+    from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
 
     assert prefix_cache_report(None, None) is None
     assert prefix_cache_report([W("colocated", "a:1", 0, 0)], None) is None
@@ -310,3 +312,86 @@ def test_summary_counts_kv_moved_and_decode_side_prefills_of_completed_requests(
     s = summarize([a, b, failed])
     assert (s["kv_transfer_bytes"], s["prefilled_on_decode"], s["cached_prompt_tokens"]) == (4096, 1, 48)
     assert RequestRecord.from_json(json.loads(json.dumps(b.to_json()))).prefilled_on_decode
+
+
+STATS = ("mean", "p50", "p90", "p99", "min", "max")
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+def test_summary_keys_end_in_their_unit():
+    s = summarize([rec([0.1, 0.2, 0.4], index=0), rec([0.3], index=1)], slo=SLO(1, 1))
+    for name in METRICS:
+        assert {f"{name}_{k}_s" for k in STATS} | {f"{name}_count"} <= s.keys()
+    units = ("_s", "_rps", "_tokens_per_s", "_bytes", "_count")
+    unitless = {"requests", "completed", "failed", "slo_attainment", "prefilled_on_decode", "cached_prompt_tokens"}
+    assert {k for k in s if not k.endswith(units)} == unitless
+    assert s["tpot_p50_s"] == pytest.approx(percentile([0.15], 50))
+    assert s["ttft_p90_s"] == pytest.approx(percentile([0.1, 0.3], 90))
+
+
+def test_summaries_in_the_nested_keys_are_read_in_the_flat_ones():
+    records = [rec([0.1, 0.2, 0.4], index=0, queue_s=0.01), rec([0.3], index=1, prefill_s=0.2)]
+    new = json.loads(json.dumps(summarize(records, slo=SLO(1, 0.5), duration_s=2.0)))
+    old = {  # a summary.json with the keys of the earlier releases, of the same run
+        **{k: new[k] for k in ("requests", "completed", "failed", "duration_s", "slo_attainment")},
+        **{f"{m}_s": {**{k: new[f"{m}_{k}_s"] for k in STATS}, "count": new[f"{m}_count"]} for m in METRICS},
+        "request_throughput": new["request_throughput_rps"],
+        "output_token_throughput": new["output_tokens_per_s"],
+        "total_token_throughput": new["total_tokens_per_s"],
+        "breakdown_s": {k: new[f"{k}_mean_s"] for k in ("queue", "prefill", "kv_transfer", "decode")},
+        "kv_transfer_bytes": 0,
+        "prefilled_on_decode": 0,
+        "cached_prompt_tokens": 0,
+        "slo": {"ttft_s": 1, "tpot_s": 0.5},
+        "goodput": new["goodput_rps"],
+        "rate": 2.0,
+    }
+    assert read_summary(old) == {**new, "rate_rps": 2.0}
+    assert read_summary(new) == new
+
+
+def _peers_metrics():
+    """benchmarks/peers_metrics.py (a script's module, not part of the package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "peers_metrics.py"
+    spec = importlib.util.spec_from_file_location("peers_metrics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_benchmark_reads_vllm_results_with_the_same_definitions():
+    """vLLM's saved TTFTs, ITLs and latencies become records whose TTFT, TPOT and ITL are vLLM's own
+    figures, summarized with the same percentile, SLO check and goodput as pdserve bench's records."""
+    peers = _peers_metrics()
+    ttfts, itls = [0.2, 0.3, 0.25], [[0.05, 0.05, 0.1], [0.02, 0.02, 0.02], []]
+    result = {
+        "start_times": [10.0, 10.5, 11.0],
+        "ttfts": ttfts,
+        "itls": itls,
+        "latencies": [t + sum(g) for t, g in zip(ttfts, itls)],
+        "output_lens": [4, 4, 0],
+        "input_lens": [16, 17, 16],
+        "errors": ["", "", "timeout"],
+        "duration": 1.5,
+    }
+    records, duration, reported = peers.vllm_records(result)
+    assert duration == 1.5 and [r.sent_s for r in records] == [0.0, 0.5, 1.0]
+    assert [r.ok for r in records] == [True, True, False] and records[2].error == "timeout"
+    for r, ttft, gaps, latency in zip(records[:2], ttfts, itls, result["latencies"]):
+        assert r.ttft_s == pytest.approx(ttft) and r.itl_s == pytest.approx(gaps)
+        assert r.tpot_s == pytest.approx((latency - ttft) / 3)  # vLLM's TPOT: (latency - ttft) / (n - 1)
+    slo = SLO(ttft_s=0.25, tpot_s=0.1)
+    m = peers.w2_metrics(records, duration, slo)
+    expected = summarize(records, slo)
+    assert {k: m[k] for k in expected} == pytest.approx(expected, nan_ok=True)
+    assert m["goodput_rps"] == pytest.approx(1 / (10.5 + 0.3 + 0.06 - 10.0))  # only the first meets both
+    assert m["offered_rps"] == pytest.approx(2 / 1.0) and not m["sustained"]
+
+
+def test_vllm_chunks_holding_several_tokens_put_the_rest_at_the_last_chunk():
+    peers = _peers_metrics()
+    result = {"ttfts": [0.1], "itls": [[0.2]], "output_lens": [4], "input_lens": [8], "errors": [""], "duration": 1}
+    (r,), _, _ = peers.vllm_records(result)
+    assert r.token_times_s == pytest.approx([0.1, 0.3, 0.3, 0.3]) and r.tpot_s == pytest.approx(0.2 / 3)

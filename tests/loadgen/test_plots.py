@@ -112,3 +112,27 @@ def test_plots_do_not_use_pyplot(tmp_path):
         import matplotlib.pyplot as plt
 
         assert plt.get_fignums() == []
+
+
+def test_summaries_read_back_from_json_in_either_key_scheme(tmp_path):
+    """summary.json files: nan written as null, and the nested keys of earlier releases."""
+    import json
+
+    from pdserve.loadgen.metrics import json_safe
+
+    runs = {"split": {1.0: synthetic_run(8, 1.0, split=True), 8.0: failed_run()}}
+    current = json.loads(json.dumps(json_safe(summaries_of(runs, SLO_))))
+    assert current["split"]["8.0"]["ttft_p90_s"] is None  # JSON keys are strings
+    nested = {
+        "colocated": {
+            1.0: {
+                "ttft_s": {"p90": 0.2, "count": 3},
+                "tpot_s": {"p90": 0.02, "count": 3},
+                "goodput": 0.9,
+                "breakdown_s": {"queue": 0.01, "prefill": 0.05, "kv_transfer": 0.0, "decode": 0.3},
+            }
+        }
+    }
+    for summaries in (current, nested, {**current, **nested}):
+        for p in (plot_vs_rate(summaries, tmp_path / "v.png"), plot_breakdown(summaries, tmp_path / "b.png")):
+            assert p.read_bytes()[:8] == PNG_MAGIC
