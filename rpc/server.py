@@ -37,7 +37,13 @@ GRPC_OPTIONS = [
 # served (the overload soak, ``pdserve soak --overload-s 60``: 126 to 1,777 of ~5,700 requests),
 # and the cancels cost more work still. A caller's own deadline still ends its call as ever.
 MAX_UNREQUESTED_S = 3600
-SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.server_max_unrequested_time_in_server", MAX_UNREQUESTED_S)]
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.server_max_unrequested_time_in_server", MAX_UNREQUESTED_S),
+    # gRPC binds with SO_REUSEPORT by default, so a second server on a port already served would
+    # start and silently share its connections; without it the bind fails and start_server says so.
+    ("grpc.so_reuseport", 0),
+]
 
 
 async def start_server(

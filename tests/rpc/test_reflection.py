@@ -185,3 +185,10 @@ async def test_a_port_another_socket_holds_is_refused():
         sock.listen()
         with pytest.raises(RuntimeError):
             await start_server([], port=sock.getsockname()[1])
+
+
+async def test_a_port_another_grpc_server_serves_is_refused(served):
+    """Two servers on one port would split its connections between them without a word."""
+    address, _ = served
+    with pytest.raises(RuntimeError, match="(?i)bind"):
+        await start_server([], port=int(address.rsplit(":", 1)[1]))
