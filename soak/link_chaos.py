@@ -53,7 +53,8 @@ from pathlib import Path
 
 from pdserve.soak.link_chaos_driver import CASES, REQUEST_DEADLINE_S, REQUESTS_PER_CASE, SETTLE_S, FaultCase
 from pdserve.soak.link_faults import clear_link, set_link
-from pdserve.soak.netns import DECODE_RESOURCE, PREFILL_RESOURCE, TwoNodes
+from pdserve.soak.netns import TwoNodes
+from pdserve.soak.ray_nodes import DECODE_RESOURCE, PREFILL_RESOURCE
 
 SERVE_START_S = 180.0  # two Ray nodes and two workers on 2 cores
 SERVING_LINE = re.compile(r"serving on (\S+) \(gRPC\)(?:, OpenAI API on http://(\S+)/v1)?.*\(workers: (.*)\); Ctrl-C")
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-log", default=None, help="write pdserve serve's output to this file")
     args = p.parse_args(argv)
-    from pdserve.soak.netns import NetnsUnavailable, two_nodes
+    from pdserve.soak.netns import NetnsUnavailable
+    from pdserve.soak.ray_nodes import two_nodes
 
     try:
         with two_nodes() as nodes:

@@ -185,7 +185,7 @@ def cmd_soak(args) -> int:
 
 def _soak_on_two_nodes(args) -> int:
     """This soak again, on two fresh Ray nodes in network namespaces (torn down after)."""
-    from pdserve.soak.netns import run_on_two_nodes
+    from pdserve.soak.ray_nodes import run_on_two_nodes
 
     flags = [
         "--num-requests",

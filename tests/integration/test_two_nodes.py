@@ -46,7 +46,8 @@ PROMPTS = mixed_prompts()[:7]  # a few tokens up to a few hundred, English and C
 
 @pytest.fixture(scope="module")
 def nodes():
-    from pdserve.soak.netns import NetnsUnavailable, make_namespaces, start_ray_nodes
+    from pdserve.soak.netns import NetnsUnavailable, make_namespaces
+    from pdserve.soak.ray_nodes import start_ray_nodes
 
     try:
         made = make_namespaces()
