@@ -169,7 +169,7 @@ def test_link_shapes_and_the_loss_filter():
 
 
 def test_link_chaos_checks_flag_hangs_late_ends_errors_and_leaks():
-    from pdserve.soak.link_chaos import problems, table_lines
+    from pdserve.soak.link_chaos_report import problems, table_lines
 
     ok = {
         "fault": "cut-35s (...)",
@@ -215,7 +215,8 @@ def test_two_node_soak_makes_its_own_cluster(capsys):
 @pytest.mark.timeout(900)
 def test_link_faults_between_prefill_and_decode(nodes):
     """One serve, every case of pdserve.soak.link_chaos in turn; prints the table."""
-    from pdserve.soak.link_chaos import CASES, problems, run_link_chaos, table_lines
+    from pdserve.soak.link_chaos import CASES, run_link_chaos
+    from pdserve.soak.link_chaos_report import problems, table_lines
 
     rows, log = run_link_chaos(nodes, list(CASES.values()))
     print("\n" + "\n".join(table_lines(rows)))
