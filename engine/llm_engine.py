@@ -18,7 +18,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.models.loader import resolve_model_dir, weights_hash
+from pdserve.engine.models.loader import config_hash, resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.prefix_hash import prefix_hashes
@@ -96,6 +96,7 @@ class LLMEngine:
             cfg.block_size,
             self.tokenizer.content_hash,
             weights_hash(self.model_dir),
+            config_hash(self.model_dir),
         )
         self._digest = self.fingerprint.digest()
         self._pinned: dict[str, Sequence] = {}  # request id -> prefix held for its coming KV (pin_prefix)

@@ -25,7 +25,9 @@ class ModelFingerprint:
     ``dtype`` is the KV cache dtype name (``"float32"``, ``"float16"`` or
     ``"bfloat16"``); ``tokenizer_hash`` is the sha256 hex digest of tokenizer.json;
     ``weights_hash`` that of the weight files (``loader.weights_hash``), so that another model of
-    the same shapes and tokenizer is told apart.
+    the same shapes and tokenizer is told apart; ``config_hash`` that of config.json
+    (``loader.config_hash``), so that the same weights under another RoPE base or scaling, norm
+    epsilon or activation, which would compute other keys and values, are told apart too.
     """
 
     architecture: str
@@ -36,6 +38,7 @@ class ModelFingerprint:
     block_size: int
     tokenizer_hash: str
     weights_hash: str = "-"
+    config_hash: str = "-"
 
     def to_dict(self) -> dict:
         """Plain dict of all fields, suitable for msgpack."""

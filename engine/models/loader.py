@@ -79,6 +79,23 @@ def weights_hash(folder: Path, cache_dir: str | Path | None = None) -> str:
     return digest
 
 
+# config.json keys that say how a file was written, not what the model computes
+CONFIG_KEYS_NOT_HASHED = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache"})
+
+
+def config_hash(folder: Path) -> str:
+    """sha256 hex of the folder's config.json as canonical JSON (sorted keys), without
+    ``CONFIG_KEYS_NOT_HASHED``: two folders with the same weights but another RoPE base or scaling,
+    norm epsilon or activation compute other KV. "-" when the folder has no config.json."""
+    import hashlib
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return "-"
+    cfg = {k: v for k, v in json.loads(path.read_text(encoding="utf-8")).items() if k not in CONFIG_KEYS_NOT_HASHED}
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
 def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     """Read every safetensors shard in ``folder`` into ``{hf_name: tensor}`` on ``device``.
 

@@ -50,9 +50,9 @@ def test_mismatches_lists_each_differing_field():
     assert BASE.mismatches(other) == ["num_layers 4 != 5", "dtype 'float32' != 'float32x'"]
 
 
-def test_the_weights_hash_defaults_to_a_placeholder_that_still_counts():
-    bare = ModelFingerprint(*dataclasses.astuple(BASE)[:-1])
-    assert bare.weights_hash == "-"
+def test_the_hashes_default_to_a_placeholder_that_still_counts():
+    bare = ModelFingerprint(*dataclasses.astuple(BASE)[:-2])
+    assert bare.weights_hash == bare.config_hash == "-"
     assert bare.digest() != BASE.digest()
 
 
@@ -175,14 +175,14 @@ def test_the_same_weights_read_with_other_heads_change_it(base_fp, model_copy):
     same bytes, but the KV cache is laid out differently."""
     edit_config(model_copy, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     fp = engine_fp(model_copy)
-    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_kv_heads", "head_dim"]
+    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_kv_heads", "head_dim", "config_hash"]
     assert fp.weights_hash == base_fp.weights_hash
 
 
 def test_the_architecture_changes_it(base_fp, model_copy):
     edit_config(model_copy, architectures=["MistralForCausalLM"], model_type="mistral")
     fp = engine_fp(model_copy)
-    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["architecture"]
+    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["architecture", "config_hash"]
 
 
 def test_fewer_layers_change_it(base_fp, model_copy):
@@ -191,4 +191,19 @@ def test_fewer_layers_change_it(base_fp, model_copy):
     save_file(kept, model_copy / "model.safetensors", metadata={"format": "pt"})
     edit_config(model_copy, num_hidden_layers=2)
     fp = engine_fp(model_copy)
-    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_layers", "weights_hash"]
+    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_layers", "weights_hash", "config_hash"]
+
+
+@pytest.mark.parametrize(
+    "edit", [{"rope_theta": 500000.0}, {"rms_norm_eps": 1e-3}, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}]
+)
+def test_the_same_weights_under_another_config_change_it(base_fp, model_copy, edit):
+    """Keys are cached after RoPE and normed inputs: another base, scaling or epsilon computes
+    other KV from the same weights, which a decode worker must refuse."""
+    edit_config(model_copy, **edit)
+    assert [m.split()[0] for m in base_fp.mismatches(engine_fp(model_copy))] == ["config_hash"]
+
+
+def test_how_the_config_was_written_does_not_change_it(base_fp, model_copy):
+    edit_config(model_copy, transformers_version="0.0.1", _name_or_path="/elsewhere")
+    assert engine_fp(model_copy) == base_fp
