@@ -224,7 +224,9 @@ def parse(model: type[_Common], body: bytes | str) -> _Common:
         path = [str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _TYPE_NAMES or "[" in x))]
         param = ".".join(path) or None
         if path and path[0] == "prompt":
-            raise BadRequest("prompt must be a string or a list of token ids (non-negative integers)", "prompt")
+            raise BadRequest(
+                "prompt must be a string or a list of token ids (non-negative integers)", "prompt"
+            ) from None
         raise BadRequest(_field_error(param, err), param) from None
 
 

@@ -45,7 +45,8 @@ class FaultCase:
 
     def __str__(self) -> str:
         cut = f"cut {self.cut_s:g} s mid-push" if self.cut_s else ""
-        return f"{self.name} ({', '.join(p for p in (str(self.shape) if self.shape != LinkShape() else '', cut) if p) or 'clean'})"
+        parts = [p for p in (str(self.shape) if self.shape != LinkShape() else "", cut) if p]
+        return f"{self.name} ({', '.join(parts) or 'clean'})"
 
     @property
     def bound_s(self) -> float:
@@ -164,7 +165,10 @@ async def _cut_when_in_flight(
     push is under way), or after CUT_WHEN_S; returns how many requests were so at the cut, and
     the seconds from the first send to the cut."""
     t0 = time.monotonic()
-    in_flight = lambda: sum(1 for r in reqs if r.first_token_s == r.first_token_s and not len(r.tokens) >= 2)
+
+    def in_flight() -> int:  # first_token_s is NaN until the first token
+        return sum(1 for r in reqs if r.first_token_s == r.first_token_s and len(r.tokens) < 2)
+
     while not in_flight() and time.monotonic() - t0 < CUT_WHEN_S and not all(t.done() for t in tasks):
         await asyncio.sleep(0.02)
     at, n = time.monotonic() - t0, in_flight()
