@@ -31,12 +31,12 @@ def _figures_table(prompts, results) -> Table:
     for col in ("#", "prompt tokens", "output tokens", "TTFT ms", "TPOT ms", "finish"):
         table.add_column(col, justify="right")
     for i, r in enumerate(results):
-        tpot = f"{r.tpot * 1e3:.1f}" if len(r.token_ids) > 1 else "-"
+        tpot = f"{r.tpot_s * 1e3:.1f}" if len(r.token_ids) > 1 else "-"
         table.add_row(
             str(i + 1),
             str(r.prompt_tokens),
             str(len(r.token_ids)),
-            f"{r.ttft * 1e3:.1f}",
+            f"{r.ttft_s * 1e3:.1f}",
             tpot,
             r.finish_reason or r.error,
         )
@@ -145,8 +145,8 @@ def cmd_demo(args) -> int:
         )
         results = asyncio.run(_run(cluster.address, cluster.secret, prompts, args.max_tokens, console))
         console.print(_figures_table(prompts, results))
-        ttfts = sorted(r.ttft * 1e3 for r in results)
-        tpots = sorted(r.tpot * 1e3 for r in results if len(r.token_ids) > 1)
+        ttfts = sorted(r.ttft_s * 1e3 for r in results)
+        tpots = sorted(r.tpot_s * 1e3 for r in results if len(r.token_ids) > 1)
         console.print(
             f"mean TTFT {sum(ttfts) / len(ttfts):.1f} ms, mean TPOT "
             f"{sum(tpots) / max(len(tpots), 1):.1f} ms; shutting down"

@@ -41,10 +41,10 @@ def cmd_generate(args) -> int:
         if res.error:
             print(f"error: {res.error}", file=sys.stderr)
             return 1
-        tpot = f", TPOT {res.tpot * 1e3:.1f} ms" if len(res.token_ids) > 1 else ""
+        tpot = f", TPOT {res.tpot_s * 1e3:.1f} ms" if len(res.token_ids) > 1 else ""
         print(
             f"[{res.finish_reason}] prompt {res.prompt_tokens} tokens, output {len(res.token_ids)} tokens, "
-            f"TTFT {res.ttft * 1e3:.1f} ms{tpot}",
+            f"TTFT {res.ttft_s * 1e3:.1f} ms{tpot}",
             file=sys.stderr,
         )
         return 0

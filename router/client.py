@@ -37,7 +37,7 @@ class GenerationResult(RequestTiming):
     timings: PB.Timings | None = None
     request_id: str = ""
 
-    # The same values, seconds, under the names ``pdserve generate`` and the demo read them by.
+    # Deprecated aliases (CHANGELOG.md), the same values in seconds under the names of 0.1.0.
     sent_at = property(lambda self: self.sent_s)
     token_times = property(lambda self: self.token_times_s)
     ttft = property(lambda self: self.ttft_s)
