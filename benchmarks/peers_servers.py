@@ -84,6 +84,7 @@ def start_server(system: str, args, model_dir: Path, out: Path, vllm_py: Path | 
             str(args.max_model_len),
             "--kv-cache-gib",
             str(args.kv_cache_gib),
+            "--no-prefix-caching",  # as vLLM: every rate sends the same prompts to this one server
             "--http-port",
             "0",
         ]  # the gRPC client drives it

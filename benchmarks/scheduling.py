@@ -1,6 +1,6 @@
 """Chunked prefill, prefix caching and prefix-aware routing, measured side by side on one machine.
 
-Each variant is a fresh local cluster on the same 2 cores (colocated: 2 ``both`` workers; split:
+Each variant is a fresh local cluster on the same 2 cores (colocated: 2 ``colocated`` workers; split:
 1 prefill + 1 decode worker, 1 CPU each, or 2 + 2 sharing them) serving the same requests,
 replayed from a trace (Mooncake: a 1/16 hashed sample of its conversations, ``--conversation-sample``):
 
@@ -12,7 +12,7 @@ replayed from a trace (Mooncake: a 1/16 hashed sample of its conversations, ``--
   moved from prefill to decode (``pdserve:kv_transfer_bytes`` on the router's /metrics), requests
   prefilled on the decode worker.
 
-It prints one markdown table per trace and the ratios the README quotes. Loopback only, bounded.
+It prints one markdown table per trace and the ratios docs/measurements.md quotes. Loopback only, bounded.
 
     python benchmarks/scheduling.py --traces mooncake-conversation --num-requests 80 --rate 0.25 --output-len 64
     python benchmarks/scheduling.py --traces azure-conv --num-requests 80 --rate 1.0 --output-len 64

@@ -125,7 +125,7 @@ async def bench_once(
     temperature: float = 0.0,
     progress: bool = True,
 ) -> tuple[list[RequestRecord], bool]:
-    """Run the load on ``backend`` (a bench.backends.Backend, entered) with a progress bar. Ctrl-C
+    """Run the load on ``backend`` (a pdserve.loadgen.targets.Backend, entered) with a progress bar. Ctrl-C
     stops sending and keeps what finished; returns the records and whether Ctrl-C stopped the run."""
     from rich.progress import Progress
 

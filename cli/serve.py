@@ -94,7 +94,8 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
-    """--routing and --local-prefill-tokens (README: prefix-aware routing, conditional disaggregation)."""
+    """--routing and --local-prefill-tokens (docs/architecture.md: "Prefix-aware routing", "Conditional
+    disaggregation")."""
     from pdserve.cluster.config import DEFAULT_LOCAL_PREFILL_TOKENS
     from pdserve.router.pool import ROUTING_POLICIES
 

@@ -1,5 +1,5 @@
 """Stream one completion from a pdserve router, with nothing of pdserve but stubs generated from
-its .proto files (README: "Calling pdserve from your own program").
+its .proto files (docs/api.md: "Calling pdserve from your own program").
 
     python -m grpc_tools.protoc -I PROTO_ROOT --python_out=. --grpc_python_out=. \
         PROTO_ROOT/pdserve/v1/generate.proto

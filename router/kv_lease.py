@@ -23,7 +23,7 @@ class LeaseLost(grpc.aio.AioRpcError):
     """The KV will not reach the decode worker: its prefill worker died, or reported a failed push.
 
     Raised instead of the decode call's own error, though it is no fault of the decode worker: no
-    worker leaves routing for it. UNAVAILABLE ones migrate (README: life of a request).
+    worker leaves routing for it. UNAVAILABLE ones migrate (docs/architecture.md, "When a worker dies").
     """
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:

@@ -46,7 +46,8 @@ def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
 
 
 class SplitBackend:
-    """Prefill on one worker of the prefill pool, decode on one of the decode pool (README: life of a request).
+    """Prefill on one worker of the prefill pool, decode on one of the decode pool (docs/architecture.md,
+    "Life of a request").
 
     **Migration** (as NVIDIA Dynamo does it): when the decode worker becomes unreachable
     (UNAVAILABLE) mid-stream, the request is prefilled again on a live prefill worker with its

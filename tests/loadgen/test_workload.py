@@ -69,7 +69,7 @@ def test_load_trace_azure(datasets_dir, name, count, first, second, second_t, ra
     assert (rows[0].input_tokens, rows[0].output_tokens) == first
     assert (rows[1].input_tokens, rows[1].output_tokens) == second
     assert rows[1].t_s == pytest.approx(second_t, abs=1e-9)
-    assert (len(rows) - 1) / rows[-1].t_s == pytest.approx(rate, abs=0.01)  # README's mean rate
+    assert (len(rows) - 1) / rows[-1].t_s == pytest.approx(rate, abs=0.01)  # the datasets' README.md mean rate
     raw = _raw_csv(name)  # every length as in the file
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(int(a), int(b)) for _, a, b in raw]
 

@@ -1,7 +1,8 @@
 """bfloat16 against transformers in bfloat16, within the stated tolerance.
 
 bf16 keeps 8 bits of mantissa, and our GEMMs, fused projections and attention kernel round in other
-places than transformers does, so outputs are not token-identical. What we promise (README):
+places than transformers does, so outputs are not token-identical. What we promise
+(docs/architecture.md, "What the tests hold"):
 
 * logits of every position (prefill) and of a paged decode step differ from transformers' by at most
   ``LOGIT_TOL`` times the reference logits' standard deviation (measured worst: 0.04 on the embedded
