@@ -18,7 +18,7 @@ from pdserve.loadgen.args import add_slo_args, add_workload_args, build_specs, f
 from pdserve.loadgen.metrics import LATENCY_METRICS, RequestRecord, json_safe, prefix_reuse_ceiling, summarize
 from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
 from pdserve.loadgen.workload import RequestSpec
-from pdserve.worker.flags import positive_float
+from pdserve.worker.flags import host_port, positive_float
 
 
 def is_loopback(address: str) -> bool:
@@ -256,7 +256,7 @@ def add_bench_parser(sub) -> None:
         help="grpc: pdserve's gRPC API at --router; openai: any OpenAI-compatible server at --url "
         "(streaming /v1/completions, token-id prompts, ignore_eos)",
     )
-    p.add_argument("--router", default="127.0.0.1:50051", help="router host:port (--backend grpc)")
+    p.add_argument("--router", type=host_port, default="127.0.0.1:50051", help="router host:port (--backend grpc)")
     p.add_argument(
         "--url",
         type=http_url,

@@ -10,7 +10,7 @@ import asyncio
 import sys
 
 from pdserve.cli.serve import DEFAULT_PORT
-from pdserve.worker.flags import non_negative_int, port, positive_float, positive_int
+from pdserve.worker.flags import host_port, non_negative_int, port, positive_float, positive_int
 
 
 def cmd_generate(args) -> int:
@@ -55,7 +55,7 @@ def cmd_generate(args) -> int:
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream one completion from a running router")
     p.add_argument("prompt")
-    p.add_argument("--router", default=None, help="router host:port (default 127.0.0.1:--port)")
+    p.add_argument("--router", type=host_port, default=None, help="router host:port (default 127.0.0.1:--port)")
     p.add_argument("--port", type=port, default=DEFAULT_PORT)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

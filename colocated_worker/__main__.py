@@ -3,4 +3,4 @@
 from pdserve.colocated_worker.worker import serve
 from pdserve.worker.main import run_worker
 
-run_worker("pdserve colocated worker", serve)
+run_worker("pdserve colocated worker", serve, prog="python -m pdserve.colocated_worker")

@@ -3,4 +3,4 @@
 from pdserve.decode_worker.worker import serve
 from pdserve.worker.main import run_worker
 
-run_worker("pdserve decode worker", serve)
+run_worker("pdserve decode worker", serve, prog="python -m pdserve.decode_worker")

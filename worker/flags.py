@@ -47,6 +47,14 @@ def port(text: str) -> int:
     return value
 
 
+def host_port(text: str) -> str:
+    """argparse type: ``host:port`` with a port in 1..65535 (``[::1]:50051`` for IPv6); returned as given."""
+    host, sep, number = text.rpartition(":")
+    if not sep or not host or not number.isdigit() or not 1 <= int(number) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected host:port with a port in 1..65535, got {text!r}")
+    return text
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     value = float(text)

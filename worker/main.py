@@ -8,12 +8,12 @@ import logging
 import signal
 
 
-def run_worker(description: str, serve) -> None:
+def run_worker(description: str, serve, prog: str | None = None) -> None:
     """Parse engine flags + --host/--port, ``await serve(cfg, host, port)``, print the address,
     wait for SIGINT/SIGTERM and stop cleanly."""
     from pdserve.worker.flags import add_engine_args, engine_config_from_args
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

@@ -109,6 +109,8 @@ def test_serve_generate_and_ctrl_c():
     [
         (["generate", "hi", "--port", "99999"], "port must be in 0..65535"),
         (["generate", "hi", "--seed", "-1"], "must be >= 0"),
+        (["generate", "hi", "--router", "127.0.0.1:99999"], "port in 1..65535, got '127.0.0.1:99999'"),
+        (["bench", "--router", "127.0.0.1"], "expected host:port"),
         (["serve", "--prefill", "0"], "must be >= 1"),
         (["bench", "--num-requests", "0"], "must be >= 1"),
         (["bench", "--rate", "-1"], "must be a finite number > 0"),
