@@ -1,9 +1,9 @@
-"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, soak.
+"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, profile, soak.
 
 Each subcommand lives in its own module (``cli/serve.py``, ``cli/generate.py``, ``cli/demo.py``,
-``cli/bench.py``, ``cli/compare.py``, ``soak/trace_soak.py``) with the function that adds its parser;
-this module builds the parser from them and dispatches. ``throughput``'s parser is built here, since
-``cli/throughput.py`` loads torch and the parser is built without it.
+``cli/bench.py``, ``cli/compare.py``, ``cli/profile.py``, ``soak/trace_soak.py``) with the function
+that adds its parser; this module builds the parser from them and dispatches. ``throughput``'s parser
+is built here, since ``cli/throughput.py`` loads torch and the parser is built without it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pdserve.cli.bench import add_bench_parser
 from pdserve.cli.compare import add_compare_parser
 from pdserve.cli.demo import add_demo_parser
 from pdserve.cli.generate import add_generate_parser
+from pdserve.cli.profile import add_profile_parser
 from pdserve.cli.serve import add_serve_parser
 from pdserve.soak.trace_soak import add_soak_parser
 from pdserve.worker.flags import add_engine_args, non_negative_int, positive_int
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_generate_parser(sub)
     add_throughput_parser(sub)
+    add_profile_parser(sub)
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_compare_parser(sub)

@@ -30,6 +30,7 @@ FOLDERS = (
     "router",
     "cluster",
     "loadgen",
+    "planner",
     "soak",
     "cli",
 )

@@ -1,0 +1,289 @@
+"""Measure one engine (``LLMEngine``, the code the workers run) on this machine: step times of
+prefill, decode and mixed steps and the KV hand-off time, with the step-time model fitted to them.
+
+Each point is the median of ``repeats`` timed runs, spread over a few passes over all the points
+(a burst of other work on the machine then touches one pass, not every run of a point), each
+pass of a point after ``warmup`` untimed runs of the same shape. A step is timed with
+``time.perf_counter`` around ``LLMEngine.step()``, which returns once the sampled tokens are on the
+host, so a GPU step is timed whole. The engine is driven directly (``add_request``, ``admit_kv``,
+``step``):
+
+- prefill: a prompt of ``n`` random tokens in one step (``max_tokens`` 1); with a cached prefix,
+  the prefix is sent first, and each timed prompt shares its first ``c`` tokens, which the engine
+  must report cached (``Sequence.num_cached_tokens``);
+- decode: ``b`` sequences admitted with random KV of ``L`` tokens each by ``admit_kv`` (the decode
+  worker's path: no prefill is computed for them), then pure decode steps of the whole batch;
+- mixed: a fresh prompt chunk beside ``d`` such decoding sequences, in one chunked-prefill step;
+- hand-off: ``planner.handoff``, to a real decode worker over loopback gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv.codec import KvPayload
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.sequence import Sequence
+from pdserve.planner.grid import Grid, Limits, cached_points, decode_points, fit_grid, mixed_points
+from pdserve.planner.handoff import measure_handoff
+from pdserve.planner.step_model import SCHEMA, fit_profile
+
+CPU_FLAGS = ("avx2", "avx512f", "amx_bf16")
+TIMER = (
+    "median of repeats of time.perf_counter() around LLMEngine.step(), spread over passes over all the step "
+    "points (the hand-offs: over theirs), each pass of a point after warmup untimed runs"
+)
+
+
+def check_config(cfg: EngineConfig) -> None:
+    """ValueError for engine settings under which the profile cannot build its steps."""
+    if not cfg.enable_prefix_caching:
+        raise ValueError("profile measures cached prefixes: drop --no-prefix-caching")
+    if not cfg.enable_chunked_prefill:
+        raise ValueError("profile measures mixed (chunked-prefill) steps: drop --no-chunked-prefill")
+    if cfg.target_itl_ms is not None:
+        raise ValueError("profile measures chunks of set sizes: drop --target-itl-ms")
+
+
+def load_engine(cfg: EngineConfig) -> LLMEngine:
+    """The engine for ``cfg``; ValueError naming the model when it cannot load."""
+    try:
+        return LLMEngine(cfg)
+    except Exception as exc:  # a missing folder, a bad checkpoint, an unknown preset...
+        raise ValueError(f"cannot load model {cfg.model!r}: {exc}") from exc
+
+
+def limits(engine: LLMEngine) -> Limits:
+    blocks, bs = engine.blocks.num_blocks, engine.cfg.block_size
+    return Limits(engine.cfg.token_budget, engine.cfg.max_num_seqs, min(engine.max_model_len, blocks * bs), blocks, bs)
+
+
+def machine(engine: LLMEngine) -> dict:
+    """The hardware and software the profile was measured on."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    device = engine.runner.device
+    return {
+        "cpu_model": model or platform.processor() or "unknown",
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+        "torch_version": torch.__version__,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": engine.runner.dtype_name,
+        "attention_backend": engine.runner.model.attention.name,
+        "model": engine.model_dir.name,
+        "model_fingerprint": engine.fingerprint.digest(),
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class Stepper:
+    """Drives one engine for the measurements: random prompts and KV, timed steps."""
+
+    def __init__(self, engine: LLMEngine, grid: Grid) -> None:
+        self.engine, self.grid = engine, grid
+        self.rng = random.Random(0)
+        self.gen = torch.Generator().manual_seed(0)
+        self.count = 0
+
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.engine.model_cfg.vocab_size) for _ in range(n)]
+
+    def rid(self, kind: str) -> str:
+        self.count += 1
+        return f"profile-{kind}-{self.count}"
+
+    def timed(self, one: Callable[[], float], repeats: int) -> list[float]:
+        """The seconds of ``repeats`` calls of ``one`` (each returns its own time), after ``warmup``."""
+        runs = [one() for _ in range(self.grid.warmup + repeats)]
+        return runs[self.grid.warmup :]
+
+    def step(self, expect: int) -> float:
+        """Seconds of one engine step; RuntimeError unless ``expect`` sequences sampled a token."""
+        t = time.perf_counter()
+        outputs = self.engine.step()
+        seconds = time.perf_counter() - t
+        if len(outputs) != expect:
+            raise RuntimeError(f"a measured step sampled {len(outputs)} tokens, expected {expect}")
+        return seconds
+
+    def prompt(self, ids: list[int], cached: int) -> float:
+        """Seconds of the one step that prefills ``ids``, whose first ``cached`` tokens must come from the cache."""
+        seq = self.engine.add_request(self.rid("prefill"), ids, SamplingParams(temperature=0.0, max_tokens=1))
+        seconds = self.step(1)
+        if seq.num_cached_tokens != cached or not seq.is_finished:
+            raise RuntimeError(f"a prompt expected to reuse {cached} cached tokens reused {seq.num_cached_tokens}")
+        return seconds
+
+    def run_to_end(self, ids: list[int]) -> None:
+        """Prefill ``ids`` (its full blocks enter the prefix cache), in as many steps as it takes."""
+        self.engine.add_request(self.rid("prefix"), ids, SamplingParams(temperature=0.0, max_tokens=1))
+        while self.engine.has_work():
+            self.engine.step()
+
+    def admit(self, b: int, context: int) -> list[Sequence]:
+        """``b`` decoding sequences of ``context`` tokens, admitted with random KV (a decode worker's path)."""
+        e = self.engine
+        mc = e.model_cfg
+        kv = torch.randn(mc.num_layers, 2, context, mc.num_kv_heads, mc.head_dim, generator=self.gen)
+        kv = kv.to(e.runner.dtype)
+        sampling = SamplingParams(temperature=0.0, max_tokens=self.grid.decode_margin, ignore_eos=True).to_dict()
+        return [
+            e.admit_kv(KvPayload(self.rid("decode"), e.fingerprint, self.ids(context), self.ids(1)[0], sampling, kv))
+            for _ in range(b)
+        ]
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.engine.scheduler.finish(s)
+
+
+def _point(samples: list[float], **fields) -> dict:
+    return {**fields, "seconds": statistics.median(samples), "samples_s": samples}
+
+
+@dataclass
+class Section:
+    """One kind of step point: its ``specs``; ``run(spec, repeats)``, that many timed seconds of
+    one (after the warm-up); ``label(*spec)`` for progress; ``point(spec, samples)``, its JSON."""
+
+    name: str
+    specs: list[tuple]
+    run: Callable[[tuple, int], list[float]]
+    label: Callable[..., str]
+    point: Callable[[tuple, list[float]], dict]
+
+
+def measure_steps(st: Stepper, sections: list[Section], say: Callable[[str], None]) -> dict[str, list[dict]]:
+    """Every section's points, their runs spread over the grid's passes: each pass measures every
+    point of every section in turn, so a burst of other work on the machine, or a drift in its
+    speed, touches one pass of each point and every section alike, not all the runs of one."""
+    samples = {(sec.name, spec): [] for sec in sections for spec in sec.specs}
+    passes = st.grid.pass_repeats()
+    for k, reps in enumerate(passes, 1):
+        for sec in sections:
+            for spec in sec.specs:
+                got = samples[(sec.name, spec)]
+                got += sec.run(spec, reps)
+                say(f"{sec.label(*spec)}   {statistics.median(got) * 1e3:9.2f} ms   pass {k}/{len(passes)}")
+    return {sec.name: [sec.point(spec, samples[(sec.name, spec)]) for spec in sec.specs] for sec in sections}
+
+
+def prefill_section(st: Stepper, lim: Limits) -> Section:
+    specs = [(n, 0) for n in st.grid.prefill_tokens] + cached_points(st.grid, lim)
+    prefixes = {c: st.ids(c) for _, c in specs}
+
+    def run(spec: tuple, reps: int) -> list[float]:
+        n, c = spec
+        if c:
+            st.run_to_end(prefixes[c])  # (back) in the prefix cache
+        return st.timed(lambda: st.prompt(prefixes[c] + st.ids(n), c), reps)
+
+    return Section(
+        "prefill",
+        specs,
+        run,
+        lambda n, c: f"prefill  n={n:5d} c={c:5d}",
+        lambda spec, samples: _point(samples, tokens=spec[0], cached_tokens=spec[1]),
+    )
+
+
+def decode_section(st: Stepper, lim: Limits, mixed: bool = False) -> Section:
+    """Decode steps of ``decode_points``; with ``mixed``, steps of ``mixed_points``: a fresh prompt
+    chunk beside the decoding sequences."""
+    contexts: dict[tuple, list[int]] = {}
+
+    def run(spec: tuple, reps: int) -> list[float]:
+        p, b = spec if mixed else (0, spec[0])
+        seqs, totals = st.admit(b, st.grid.mixed_context if mixed else spec[1]), []
+
+        def one() -> float:
+            totals.append(sum(s.num_tokens for s in seqs))  # positions the decode rows attend to
+            if not p:
+                return st.step(b)
+            seq = st.engine.add_request(st.rid("mixed"), st.ids(p), SamplingParams(temperature=0.0, max_tokens=1))
+            seconds = st.step(b + 1)
+            if not seq.is_finished:
+                raise RuntimeError(f"a {p}-token prompt beside {b} decoding sequences did not fit one step")
+            return seconds
+
+        samples = st.timed(one, reps)
+        st.finish(seqs)
+        contexts.setdefault(spec, []).extend(totals[-reps:])
+        return samples
+
+    def point(spec: tuple, samples: list[float]) -> dict:
+        total = statistics.mean(contexts[spec])
+        if mixed:
+            return _point(samples, prompt_tokens=spec[0], cached_tokens=0, batch=spec[1], total_context=total)
+        return _point(samples, batch=spec[0], context=total / spec[0], total_context=total)
+
+    if mixed:
+        return Section("mixed", mixed_points(st.grid, lim), run, lambda p, d: f"mixed    p={p:5d} d={d:5d}", point)
+    return Section("decode", decode_points(st.grid, lim), run, lambda b, n: f"decode   b={b:5d} L={n:5d}", point)
+
+
+def run_profile(
+    cfg: EngineConfig, grid: Grid, explicit: set[str] = frozenset(), say: Callable[[str], None] = lambda _: None
+) -> dict:
+    """Measure every point of ``grid`` (cut to what the engine holds; ``explicit``: the grid
+    fields the user set, see ``fit_grid``) and fit the model; returns the profile (schema
+    ``SCHEMA``, layout in docs/cli.md). ``say`` gets one progress line per point.
+
+    ValueError for settings the profile cannot use, a model that cannot load, or a grid the
+    engine cannot hold; RuntimeError when the engine does not run a step as built."""
+    check_config(cfg)
+    start = time.perf_counter()
+    engine = load_engine(cfg)
+    lim = limits(engine)
+    grid, notes = fit_grid(grid, lim, explicit)
+    for note in notes:
+        say(f"skipped: {note}")
+    st = Stepper(engine, grid)
+    st.run_to_end(st.ids(min(64, lim.room - 1)))  # warms the kernels up
+    sections = [prefill_section(st, lim), decode_section(st, lim), decode_section(st, lim, mixed=True)]
+    points = measure_steps(st, sections, say)
+    points["handoff"], transport = asyncio.run(measure_handoff(engine, grid, st.ids, say))
+    settings = {
+        "model_spec": cfg.model,
+        "block_size": cfg.block_size,
+        "kv_cache_blocks": lim.blocks,
+        "max_model_len": engine.max_model_len,
+        "max_num_batched_tokens": lim.budget,
+        "max_num_seqs": lim.rows,
+        "repeats": grid.repeats,
+        "passes": len(grid.pass_repeats()),
+        "warmup": grid.warmup,
+        "timer": TIMER,
+        "decode_batches": "admitted by LLMEngine.admit_kv with random KV (the decode worker's path)",
+        "mixed_context_tokens": grid.mixed_context,
+        "handoff_transport": transport,
+        "skipped": notes,
+    }
+    profile = {"schema": SCHEMA, "machine": machine(engine), "settings": settings, "points": points}
+    profile["fits"] = fit_profile(points)
+    profile["elapsed_s"] = time.perf_counter() - start
+    return profile
