@@ -2,7 +2,7 @@ import torch
 
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvDecoder, encode_kv, pack_kv
-from tests.engine.kv.test_kv_codec import make_fp, make_payload
+from tests.engine.kv._kv_payloads import make_fp, make_payload
 
 
 def test_take_reuses_the_smallest_cached_buffer_that_fits():

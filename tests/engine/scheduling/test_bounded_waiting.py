@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.scheduling.sequence import SequenceStatus
-from tests.engine.scheduling.test_scheduler import NEXT_TOKEN, ids, make_scheduler, make_seq, step
+from tests.engine.scheduling._scheduler_sim import NEXT_TOKEN, ids, make_scheduler, make_seq, step
 
 
 def test_prefill_admits_past_max_num_seqs_and_running_take_turns() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.engine.text.tokenizer import Tokenizer
 from tests.engine.text._tokenizers import build_bytelevel, stories_folder
 
 
@@ -23,3 +24,8 @@ def bytelevel_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", params=["stories", "bytelevel"])
 def any_dir(request) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def tok(any_dir):
+    return Tokenizer.from_folder(any_dir)

@@ -1,4 +1,6 @@
-"""Serving metrics on synthetic timestamps (docs/benchmarking.md, "Metric definitions")."""
+"""A run's summary on synthetic timestamps (docs/benchmarking.md, "Metric definitions"): percentiles,
+throughput, goodput, the breakdown, degenerate runs, the keys of summary.json old and new; and the metric
+modules load without torch or ray."""
 
 from __future__ import annotations
 
@@ -12,96 +14,7 @@ import numpy as np
 import pytest
 
 from pdserve.loadgen.metrics import SLO, RequestRecord, percentile, read_summary, run_duration, stats, summarize
-
-
-def rec(tokens, sent=0.0, *, finish="stop", error="", prompt=10, index=0, **kw) -> RequestRecord:
-    return RequestRecord(
-        index=index,
-        request_id=f"r{index}",
-        scheduled_s=sent,
-        sent_s=sent,
-        prompt_tokens=prompt,
-        max_tokens=max(len(tokens), 1),
-        token_times_s=list(tokens),
-        finish_reason=finish,
-        error=error,
-        **kw,
-    )
-
-
-def test_basic_latencies_exclude_first_token_from_tpot():
-    r = rec([0.5, 0.6, 0.8, 1.1])
-    assert r.output_tokens == 4
-    assert r.ttft_s == pytest.approx(0.5)
-    assert r.e2e_s == pytest.approx(1.1)
-    assert r.tpot_s == pytest.approx(0.2)  # (1.1 - 0.5) / 3, not 1.1 / 4
-    assert r.itl_s == pytest.approx([0.1, 0.2, 0.3])
-    assert r.ok
-
-
-def test_latencies_are_relative_to_sent_not_scheduled():
-    r = RequestRecord(
-        0,
-        "a",
-        scheduled_s=1.0,
-        sent_s=1.25,
-        prompt_tokens=3,
-        max_tokens=2,
-        token_times_s=[2.0, 2.5],
-        finish_reason="length",
-    )
-    assert r.ttft_s == pytest.approx(0.75)
-    assert r.e2e_s == pytest.approx(1.25)
-    assert r.tpot_s == pytest.approx(0.5)
-    assert r.ok
-
-
-def test_single_token_request_has_no_tpot_but_meets_tpot_slo():
-    r = rec([0.3])
-    assert r.ttft_s == pytest.approx(0.3) and r.e2e_s == pytest.approx(0.3)
-    assert math.isnan(r.tpot_s)
-    assert r.itl_s == []
-    assert SLO(ttft_s=0.5, tpot_s=0.001).met(r)
-    assert not SLO(ttft_s=0.2, tpot_s=0.001).met(r)
-
-
-def test_no_tokens_gives_nan_and_misses_slo():
-    r = rec([], finish="")
-    assert r.output_tokens == 0 and not r.ok
-    assert math.isnan(r.ttft_s) and math.isnan(r.e2e_s) and math.isnan(r.tpot_s)
-    assert r.itl_s == []
-    assert not SLO(10.0, 10.0).met(r)
-    # an ok finish without tokens is still not a TTFT hit (nan never meets a limit)
-    assert not SLO(10.0, 10.0).met(rec([], finish="stop"))
-
-
-def test_tokens_sharing_an_arrival_time_give_zero_gaps():
-    r = rec([0.2, 0.2, 0.2, 0.5, 0.5])
-    assert r.itl_s == pytest.approx([0.0, 0.0, 0.3, 0.0])
-    assert len(r.itl_s) == r.output_tokens - 1
-    assert r.tpot_s == pytest.approx(0.3 / 4)
-
-
-@pytest.mark.parametrize(
-    "finish,error,ok",
-    [
-        ("stop", "", True),
-        ("length", "", True),
-        ("abort", "", False),
-        ("error", "", False),
-        ("", "", False),
-        ("stop", "connection reset", False),
-    ],
-)
-def test_ok_definition(finish, error, ok):
-    assert rec([0.1, 0.2], finish=finish, error=error).ok is ok
-
-
-def test_slo_boundaries_are_inclusive():
-    r = rec([0.5, 0.7, 0.9])  # ttft .5, tpot .2
-    assert SLO(0.5, 0.2 + 1e-12).met(r)
-    assert not SLO(0.5 - 1e-9, 1.0).met(r)
-    assert not SLO(1.0, 0.2 - 1e-9).met(r)
+from tests.loadgen._records import rec
 
 
 def test_percentile_matches_numpy_linear_interpolation():
@@ -217,91 +130,12 @@ def test_degenerate_runs_give_nan_not_errors():
     assert s["slo_attainment"] == 1.0
 
 
-def test_to_json_round_trip_has_no_nan_tokens():
-    r = rec([0.3], index=4, finish="length", queue_s=0.01, prefill_s=0.02)
-    d = r.to_json()
-    text = json.dumps(d, allow_nan=False)
-    assert "NaN" not in text and "Infinity" not in text
-    back = json.loads(text)
-    assert back["tpot_s"] is None
-    assert back["ttft_s"] == pytest.approx(0.3) and back["e2e_s"] == pytest.approx(0.3)
-    assert back["itl_s"] == [] and back["output_tokens"] == 1 and back["ok"] is True
-    for key in (
-        "index",
-        "request_id",
-        "scheduled_s",
-        "sent_s",
-        "prompt_tokens",
-        "max_tokens",
-        "token_times_s",
-        "finish_reason",
-        "error",
-        "queue_s",
-        "prefill_s",
-        "kv_transfer_s",
-        "decode_s",
-    ):
-        assert back[key] == getattr(r, key), key
-    assert RequestRecord.from_json(back) == r
-
-    full = rec([0.5, 0.6, 0.8, 1.1]).to_json()
-    assert json.loads(json.dumps(full, allow_nan=False))["tpot_s"] == pytest.approx(0.2)
-    assert full["itl_s"] == pytest.approx([0.1, 0.2, 0.3])
-    empty = json.loads(json.dumps(rec([], finish="").to_json(), allow_nan=False))
-    assert empty["ttft_s"] is None and empty["e2e_s"] is None and empty["ok"] is False
-
-
 def test_summary_json_safe():
     from pdserve.loadgen.metrics import json_safe
 
     s = summarize([rec([], finish="error", error="x")], slo=SLO(1, 1))
     text = json.dumps(json_safe(s), allow_nan=False)
     assert json.loads(text)["ttft_p90_s"] is None
-
-
-def test_bench_never_imports_torch_or_ray():
-    code = (
-        "import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots, pdserve.loadgen.prefix_cache; "
-        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))
-
-
-def test_prefix_cache_report_takes_deltas_per_worker():
-    from pdserve.loadgen.metrics import json_safe
-    from pdserve.loadgen.prefix_cache import WorkerPrefixCounters as W
-    from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
-
-    before = [W("prefill", "a:1", 1000, 200), W("decode", "b:2", 0, 0), W("prefill", "c:3", 500, 400)]
-    after = [
-        W("prefill", "a:1", 3000, 1200),
-        W("decode", "b:2", 0, 0),
-        W("prefill", "c:3", 100, 50),
-        W("prefill", "d:4", 400, 100),
-    ]  # c restarted during the run, d replaced a worker
-    report = prefix_cache_report(before, after)
-    assert [(w["address"], w["query_tokens"], w["hit_tokens"]) for w in report["workers"]] == [
-        ("a:1", 2000, 1000),
-        ("b:2", 0, 0),
-        ("c:3", 100, 50),
-        ("d:4", 400, 100),
-    ]
-    assert [w["hit_rate"] for w in report["workers"]][::2] == [0.5, 0.5]
-    assert math.isnan(report["workers"][1]["hit_rate"])  # a decode worker admits no prompt
-    assert (report["query_tokens"], report["hit_tokens"], report["hit_rate"]) == (2500, 1150, 0.46)
-    lines = format_prefix_cache(report).splitlines()
-    assert lines[1:3] == ["  prefill a:1: 50.0% (1,000 / 2,000)", "  decode b:2: n/a"]
-    assert lines[-1] == "  all workers: 46.0% (1,150 / 2,500)"
-    assert json.loads(json.dumps(json_safe(report), allow_nan=False))["workers"][1]["hit_rate"] is None
-
-
-def test_prefix_cache_report_without_counters_is_na():
-    from pdserve.loadgen.prefix_cache import WorkerPrefixCounters as W
-    from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
-
-    assert prefix_cache_report(None, None) is None
-    assert prefix_cache_report([W("colocated", "a:1", 0, 0)], None) is None
-    assert format_prefix_cache(None).startswith("prefix cache hit rate: n/a")
 
 
 def test_summary_counts_kv_moved_and_decode_side_prefills_of_completed_requests():
@@ -350,48 +184,9 @@ def test_summaries_in_the_nested_keys_are_read_in_the_flat_ones():
     assert read_summary(new) == new
 
 
-def _peers_metrics():
-    """benchmarks/peers_metrics.py (a script's module, not part of the package)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "peers_metrics.py"
-    spec = importlib.util.spec_from_file_location("peers_metrics", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_peer_benchmark_reads_vllm_results_with_the_same_definitions():
-    """vLLM's saved TTFTs, ITLs and latencies become records whose TTFT, TPOT and ITL are vLLM's own
-    figures, summarized with the same percentile, SLO check and goodput as pdserve bench's records."""
-    peers = _peers_metrics()
-    ttfts, itls = [0.2, 0.3, 0.25], [[0.05, 0.05, 0.1], [0.02, 0.02, 0.02], []]
-    result = {
-        "start_times": [10.0, 10.5, 11.0],
-        "ttfts": ttfts,
-        "itls": itls,
-        "latencies": [t + sum(g) for t, g in zip(ttfts, itls)],
-        "output_lens": [4, 4, 0],
-        "input_lens": [16, 17, 16],
-        "errors": ["", "", "timeout"],
-        "duration": 1.5,
-    }
-    records, duration, reported = peers.vllm_records(result)
-    assert duration == 1.5 and [r.sent_s for r in records] == [0.0, 0.5, 1.0]
-    assert [r.ok for r in records] == [True, True, False] and records[2].error == "timeout"
-    for r, ttft, gaps, latency in zip(records[:2], ttfts, itls, result["latencies"]):
-        assert r.ttft_s == pytest.approx(ttft) and r.itl_s == pytest.approx(gaps)
-        assert r.tpot_s == pytest.approx((latency - ttft) / 3)  # vLLM's TPOT: (latency - ttft) / (n - 1)
-    slo = SLO(ttft_s=0.25, tpot_s=0.1)
-    m = peers.w2_metrics(records, duration, slo)
-    expected = summarize(records, slo)
-    assert {k: m[k] for k in expected} == pytest.approx(expected, nan_ok=True)
-    assert m["goodput_rps"] == pytest.approx(1 / (10.5 + 0.3 + 0.06 - 10.0))  # only the first meets both
-    assert m["offered_rps"] == pytest.approx(2 / 1.0) and not m["sustained"]
-
-
-def test_vllm_chunks_holding_several_tokens_put_the_rest_at_the_last_chunk():
-    peers = _peers_metrics()
-    result = {"ttfts": [0.1], "itls": [[0.2]], "output_lens": [4], "input_lens": [8], "errors": [""], "duration": 1}
-    (r,), _, _ = peers.vllm_records(result)
-    assert r.token_times_s == pytest.approx([0.1, 0.3, 0.3, 0.3]) and r.tpot_s == pytest.approx(0.2 / 3)
+def test_bench_never_imports_torch_or_ray():
+    code = (
+        "import sys, pdserve.loadgen.metrics, pdserve.loadgen.plots, pdserve.loadgen.prefix_cache; "
+        "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[2]))

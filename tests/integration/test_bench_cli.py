@@ -1,4 +1,4 @@
-"""pdserve bench and compare against real servers on loopback."""
+"""pdserve bench against real servers on loopback: trace replay, prefix-cache report, Ctrl-C, refusals."""
 
 from __future__ import annotations
 
@@ -6,16 +6,14 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from pdserve.loadgen.dataset_files import dataset_file
-from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.workload import load_trace, window
+from tests.integration._cli import PDSERVE
 from tests.integration._pipeline import local_pipeline
 
-PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]
 RECORD_FIELDS = {
     "index",
     "request_id",
@@ -54,14 +52,6 @@ SUMMARY_FIELDS = {
     "goodput_rps",
     "rate_rps",
 }
-
-
-@pytest.fixture(scope="module")
-def datasets():
-    try:
-        dataset_file("azure_llm_trace_2023/AzureLLMInferenceTrace_conv.csv")
-    except FileNotFoundError:
-        pytest.skip("../shared/datasets is absent")
 
 
 @pytest.mark.parametrize("placement", ["split", "colocated"])
@@ -164,25 +154,6 @@ async def test_bench_mooncake_reports_prefix_cache_hits_per_worker(embedded_dir,
         assert f"{w['role']} {w['address']}: {rate}" in text
 
 
-async def test_run_load_stops_by_itself_with_partial_results(embedded_dir):
-    """A hard duration bound cancels in-flight requests, keeps their partial records, frees blocks."""
-    from pdserve.loadgen.runner import run_load
-    from pdserve.loadgen.targets import GrpcBackend
-    from pdserve.loadgen.workload import RequestSpec
-
-    specs = [RequestSpec(i, 0.05 * i, (5, 6, 7) * 10, 1500, "synthetic") for i in range(4)]
-    specs.append(RequestSpec(4, 60.0, (5,), 3, "synthetic"))  # due long after the bound: never sent
-    async with local_pipeline(embedded_dir, "split") as pipe:
-        async with GrpcBackend(pipe.address) as backend:
-            records = await asyncio.wait_for(run_load(backend, specs, max_duration_s=1.5), 30)
-        assert await pipe.wait_idle() == 0
-    assert [r.index for r in records] == [0, 1, 2, 3]
-    for r in records:
-        assert isinstance(r, RequestRecord)
-        assert r.error.startswith("cancelled") and not r.ok
-        assert 0 < r.output_tokens < 1500
-
-
 async def test_bench_ctrl_c_writes_partial_results(embedded_dir, datasets, tmp_path):
     async with local_pipeline(embedded_dir, "split") as pipe:
         proc = await asyncio.create_subprocess_exec(
@@ -223,85 +194,3 @@ async def test_bench_ctrl_c_writes_partial_results(embedded_dir, datasets, tmp_p
 def test_bench_refuses_remote_address():
     run = subprocess.run(PDSERVE + ["bench", "--router", "192.0.2.1:50051"], capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "non-loopback" in run.stderr
-
-
-def test_compare_end_to_end(datasets, tmp_path):
-    """Both placements on a local Ray instance, two rates, table + plots + JSON."""
-    run = subprocess.run(
-        PDSERVE + ["compare", "--model", "embedded", "--rates", "4,8", "--num-requests", "5", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("cdf.png", "vs_rate.png", "breakdown.png"):
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    data = json.loads((tmp_path / "compare.json").read_text())
-    assert set(data["summaries"]) == {"colocated", "split"}
-    for per_rate in data["summaries"].values():
-        assert set(per_rate) == {"4", "8"}
-        for s in per_rate.values():
-            assert s["completed"] == 5 and s["goodput_rps"] is not None and s["rate_rps"] in (4, 8)
-    assert "unloaded single-request" in data["slo"]["note"]
-    table = (tmp_path / "table.md").read_text()
-    assert table.count("| colocated |") == 2 and table.count("| split |") == 2
-
-
-async def test_openai_backend_gives_the_grpc_token_counts(embedded_dir):
-    """The same requests through pdserve's HTTP API (bench --backend openai) and its gRPC API."""
-    from pdserve.loadgen.runner import run_load
-    from pdserve.loadgen.targets import GrpcBackend, OpenAIBackend
-    from pdserve.loadgen.workload import RequestSpec
-
-    specs = [RequestSpec(i, 0.02 * i, tuple(range(10 + i, 40 + 3 * i)), 3 + 2 * i, "synthetic") for i in range(5)]
-    async with local_pipeline(embedded_dir, "split", http=True) as pipe:
-        async with GrpcBackend(pipe.address) as grpc_backend:
-            by_grpc = await asyncio.wait_for(run_load(grpc_backend, specs), 60)
-        async with OpenAIBackend(pipe.http_url) as http_backend:
-            info = await http_backend.info()
-            by_http = await asyncio.wait_for(run_load(http_backend, specs), 60)
-        assert await pipe.wait_idle() == 0
-    assert info.max_model_len > 0 and info.model == "test-model"  # the served id, never the folder's path
-    for g, h in zip(by_grpc, by_http):
-        assert g.ok and h.ok, (g.error, h.error)
-        assert g.output_tokens == h.output_tokens == g.max_tokens
-        assert h.finish_reason == "length" and h.prefill_s > 0 and h.kv_transfer_s > 0
-        assert h.token_times_s == sorted(h.token_times_s) and h.ttft_s > 0
-
-
-async def test_compare_from_an_empty_folder_without_datasets_and_a_peer(tmp_path, embedded_dir):
-    """A fresh install run anywhere: no datasets folder, so a synthetic workload; a running
-    OpenAI-compatible server (here pdserve's own HTTP API) as the third row."""
-    import os
-
-    env = {**os.environ, "PDSERVE_DATASETS": str(tmp_path / "no-datasets-here")}
-    async with local_pipeline(embedded_dir, "split", http=True) as peer:
-        cmd = PDSERVE + [
-            "compare",
-            "--model",
-            "embedded",
-            "--placements",
-            "colocated",
-            "--rates",
-            "4",
-            "--num-requests",
-            "4",
-            "--input-len",
-            "24",
-            "--output-len",
-            "6",
-            "--peer-url",
-            peer.http_url,
-            "--out",
-            str(tmp_path / "out"),
-        ]
-        run = await asyncio.to_thread(
-            subprocess.run, cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
-        )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "no datasets folder found" in run.stdout and "synthetic workload" in run.stdout
-    data = json.loads((tmp_path / "out" / "compare.json").read_text())
-    assert set(data["summaries"]) == {"colocated", "peer"}
-    for per_rate in data["summaries"].values():
-        assert per_rate["4"]["completed"] == 4
-    assert "| peer |" in (tmp_path / "out" / "table.md").read_text()

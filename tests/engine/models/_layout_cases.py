@@ -1,0 +1,121 @@
+"""The layouts of test_model_layouts.py: how each tiny checkpoint is built, its engine, the reference
+outputs of ``transformers``, and the comparison of generated tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from tests.engine.models._tiny_models import BASE, STORIES, TOKENIZER_FILES, edit_config, hf_greedy, load_hf
+
+NEEDS_TOKENIZER = pytest.mark.skipif(
+    not all((STORIES / name).is_file() for name in TOKENIZER_FILES),
+    reason=f"tokenizer folder {STORIES} is absent",
+)
+
+MAX_TOKENS = 20
+PROMPT_LENS = (1, 11, 130)  # 130 > 64, the original context of the scaled-RoPE cases
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, BASE["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _spec(name: str):
+    """(model class, config, save_pretrained kwargs) of a named layout."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    specs = {
+        # GQA with 4 query heads per KV head, untied lm_head, non-default rope_theta
+        "llama_gqa": (
+            LlamaForCausalLM,
+            LlamaConfig(
+                **{**BASE, "num_attention_heads": 8, "num_key_value_heads": 2},
+                rope_theta=50000.0,
+                tie_word_embeddings=False,
+            ),
+            {},
+        ),
+        "llama_tied": (LlamaForCausalLM, LlamaConfig(**BASE, tie_word_embeddings=True), {}),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**BASE, tie_word_embeddings=True, use_sliding_window=False), {}),
+        # sharded on purpose: the loader must follow model.safetensors.index.json
+        "mistral": (MistralForCausalLM, MistralConfig(**BASE, sliding_window=None), {"max_shard_size": "60KB"}),
+        "llama3_rope": (LlamaForCausalLM, LlamaConfig(**BASE, rope_scaling=dict(LLAMA3)), {}),
+        "linear_rope": (LlamaForCausalLM, LlamaConfig(**BASE, rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
+        # head_dim 32 while hidden / heads = 16
+        "head_dim": (LlamaForCausalLM, LlamaConfig(**BASE, head_dim=32), {}),
+        # q/k/v/o biases in a Llama
+        "llama_attn_bias": (LlamaForCausalLM, LlamaConfig(**BASE, attention_bias=True), {}),
+        # gate/up/down biases in a Llama
+        "llama_mlp_bias": (LlamaForCausalLM, LlamaConfig(**BASE, mlp_bias=True), {}),
+    }
+    return specs[name]
+
+
+LAYOUTS = [
+    "llama_gqa",
+    "llama_tied",
+    "qwen2",
+    "mistral",
+    "llama3_rope",
+    "linear_rope",
+    "head_dim",
+    "llama_attn_bias",
+    "llama_mlp_bias",
+]
+# checkpoints rewritten into the transformers 4 config.json layout (rope_scaling + top-level rope_theta)
+LEGACY = ["legacy_llama3_rope", "legacy_linear_rope"]
+
+
+def _to_legacy(folder: Path) -> None:
+    """Move ``rope_parameters`` to the pre-v5 keys: ``rope_scaling`` and a top-level ``rope_theta``."""
+    cfg = json.loads((folder / "config.json").read_text())
+    params = dict(cfg["rope_parameters"])
+    theta = params.pop("rope_theta")
+    if params["rope_type"] == "linear":  # the oldest spelling: "type"
+        params["type"] = params.pop("rope_type")
+    edit_config(folder, rope_parameters=None, rope_scaling=params, rope_theta=theta)
+
+
+class Case:
+    """A built checkpoint with its engine, its transformers model and the reference outputs."""
+
+    def __init__(self, name: str, folder: Path) -> None:
+        self.name, self.folder = name, folder
+        self.engine = make_engine(folder, block_size=16)
+        self.hf = load_hf(folder)
+        self.prompts = _prompts()
+        self.ref = hf_greedy(self.hf, self.prompts, MAX_TOKENS, self.engine.eos_token_ids)
+
+
+def make_engine(folder: Path, block_size: int) -> LLMEngine:
+    num_blocks = -(-600 // block_size) + 8
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=num_blocks, block_size=block_size))
+
+
+def _assert_same_tokens(ours: list[list[int]], ref: list[list[int]]) -> None:
+    for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
+        assert r, "empty reference"
+        assert o[: len(r)] == r, f"prompt {i} ({PROMPT_LENS[i]} tokens): ours {o} != transformers {r}"
+        # the engine stops exactly where transformers does (EOS or max_tokens)
+        assert len(o) == len(r), f"prompt {i}: {len(o)} tokens vs transformers {len(r)}"
