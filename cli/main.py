@@ -1,8 +1,8 @@
-"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, profile, soak.
+"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, profile, simulate, soak.
 
 Each subcommand lives in its own module (``cli/serve.py``, ``cli/generate.py``, ``cli/demo.py``,
-``cli/bench.py``, ``cli/compare.py``, ``cli/profile.py``, ``soak/trace_soak.py``) with the function
-that adds its parser; this module builds the parser from them and dispatches. ``throughput``'s parser
+``cli/bench.py``, ``cli/compare.py``, ``cli/profile.py``, ``cli/simulate.py``, ``soak/trace_soak.py``)
+with the function that adds its parser; this module builds the parser from them and dispatches. ``throughput``'s parser
 is built here, since ``cli/throughput.py`` loads torch and the parser is built without it.
 """
 
@@ -19,6 +19,7 @@ from pdserve.cli.demo import add_demo_parser
 from pdserve.cli.generate import add_generate_parser
 from pdserve.cli.profile import add_profile_parser
 from pdserve.cli.serve import add_serve_parser
+from pdserve.cli.simulate import add_simulate_parser
 from pdserve.soak.trace_soak import add_soak_parser
 from pdserve.worker.flags import add_engine_args, non_negative_int, positive_int
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_throughput_parser(sub)
     add_profile_parser(sub)
+    add_simulate_parser(sub)
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_compare_parser(sub)

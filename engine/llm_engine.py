@@ -53,13 +53,22 @@ class StepOutput:
 class LLMEngine:
     """Single-process engine. Not thread-safe: drive it from one thread (see ``EngineLoop``)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        runner_factory: Callable[[EngineConfig, Path], ModelRunner] | None = None,
+        clock: Callable[[], int] | None = None,
+    ) -> None:
+        """``runner_factory(cfg, model_dir)`` builds the model runner (default ``ModelRunner``: the
+        weights and the KV cache); ``clock`` gives the nanoseconds steps are timed by (default
+        ``time.monotonic_ns``). The simulator (``planner/simulate.py``) passes virtual ones."""
         if cfg.torch_threads and cfg.device == "cpu":
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.model_dir: Path = resolve_model_dir(cfg.model)
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
-        self.runner = ModelRunner(cfg, self.model_dir)
+        self.runner = (runner_factory or ModelRunner)(cfg, self.model_dir)
+        self.clock = clock or time.monotonic_ns
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -240,7 +249,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        now = time.monotonic_ns()
+        now = self.clock()
         for s in batch.seqs:
             if not s.prefill_start_ns:
                 s.prefill_start_ns = now
@@ -250,7 +259,7 @@ class LLMEngine:
             for s in batch.seqs:
                 self.scheduler.finish(s, FinishReason.ERROR)
             raise StepError(exc, batch.seqs) from exc
-        done = time.monotonic_ns()
+        done = self.clock()
         self.scheduler.observe_step(batch, (done - now) / 1e9)
         outputs = []
         for c in self.scheduler.complete(batch, tokens):

@@ -79,6 +79,16 @@ class StepModel:
             return self.decode_s(b, total_context)
         return self.prefill_s(n, c) + self.decode_s(b, total_context) - self.mixed_fixed_s
 
+    def batch_s(self, chunks: list[tuple[int, int]], b: int, total_context: float) -> float:
+        """Seconds of an engine step computing prompt ``chunks`` (``(n, c)``: ``n`` tokens after ``c``
+        already in the cache, one per sequence) beside ``b`` decoding sequences of ``total_context``
+        tokens in all: ``mixed_s`` with the attention term summed over the chunks."""
+        n = sum(q for q, _ in chunks)
+        if b > 0 and n <= 0:
+            return self.decode_s(b, total_context)
+        pre = self.p0 + self.p1 * n + self.p2 * sum(q * (q / 2 + c) for q, c in chunks)
+        return pre + self.decode_s(b, total_context) - self.mixed_fixed_s if b > 0 else pre
+
     def handoff_s(self, nbytes: float) -> float:
         """Seconds to hand ``nbytes`` of KV from a prefill engine's cache to a decode engine's."""
         return self.h0 + nbytes / self.h1

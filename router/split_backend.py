@@ -22,7 +22,7 @@ from pdserve.router.backends import (
     wait_for_workers,
 )
 from pdserve.router.kv_lease import LeaseLost, first_while_leased
-from pdserve.router.pool import WorkerPool
+from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.validation import ValidatedRequest
 from pdserve.v1 import generate_pb2, worker_pb2
 
@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // max(block_size, 1))
+
+
+def prefills_on_decode(pool: WorkerPool, decode_w: WorkerHandle, n: int, hashes: list, local_tokens: int) -> bool:
+    """Conditional disaggregation: True when ``decode_w`` should prefill an ``n``-token prompt
+    (full blocks named ``hashes``) itself, as at most ``local_tokens`` of its tokens are
+    not in that worker's prefix cache (as the router's index believes; 0: never). Pure: reads
+    ``pool`` and changes nothing."""
+    return n - pool.cached_tokens(decode_w, n, hashes) <= local_tokens
 
 
 def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
@@ -122,7 +130,7 @@ class SplitBackend:
         await wait_for_workers(self.pool, route_wait(timeout))
         n, hashes = len(prompt), self.pool.prefix_of(prompt)
         decode_w = self.pool.pick_decode(n, hashes)
-        if n - self.pool.cached_tokens(decode_w, n, hashes) <= self.local_prefill_tokens:
+        if prefills_on_decode(self.pool, decode_w, n, hashes, self.local_prefill_tokens):
             async for ev in colocated_stream(
                 self.pool, decode_w, request_id, prompt, sampling, state, t0_ns, timeout, on_decode=True
             ):

@@ -1,0 +1,133 @@
+"""``pdserve simulate``: run a workload through a simulated cluster on a virtual clock, with the
+step times of a profile (``pdserve profile``), and write the summary ``pdserve bench`` writes.
+
+This module stays torch-free at import (``pdserve --help`` builds every parser); the simulator
+(``pdserve.planner.simulate``) is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pdserve.cli.serve import add_routing_args
+from pdserve.loadgen.args import add_slo_args, add_workload_args
+from pdserve.worker.flags import non_negative_float, non_negative_int, positive_float, positive_int
+
+
+def add_simulate_parser(sub) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a cluster on a virtual clock with a profile's step times; write bench's summary",
+        description="Run a workload through simulated workers: real engines (scheduler, KV blocks, prefix cache) "
+        "whose steps take the profile's predicted time, routed by the router's own policies.",
+    )
+    p.add_argument("--profile", required=True, help="profile JSON written by pdserve profile")
+    p.add_argument("--placement", choices=["split", "colocated"], default="split")
+    p.add_argument("--prefill", type=positive_int, default=1, help="prefill workers (split)")
+    p.add_argument(
+        "--decode", type=positive_int, default=1, help="decode workers (split); colocated runs prefill+decode workers"
+    )
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
+    p.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache per worker, GiB")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="max sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one step")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false")
+    p.add_argument("--target-itl-ms", type=positive_float, default=None, help="as pdserve serve")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
+    p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512, help="as pdserve serve; 0: none")
+    add_routing_args(p)
+    p.add_argument("--relay-ms", type=non_negative_float, default=0.0, help="router relay of each token, ms")
+    p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s")
+    p.add_argument("--out", default=f"sim_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
+    add_workload_args(p)
+    add_slo_args(p)
+    p.set_defaults(func=cmd_simulate)
+
+
+def read_profile(path: str) -> tuple:
+    """``(StepModel, model spec, dtype)`` of a profile JSON; ValueError (one line) when it cannot be
+    read or lacks what the simulation needs."""
+    from pdserve.planner.step_model import StepModel
+
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read --profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        model = StepModel.from_profile(profile)
+        spec, dtype = profile["settings"]["model_spec"], profile["machine"]["dtype"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--profile {path}: {exc if isinstance(exc, ValueError) else f'no {exc}'}") from None
+    return model, str(spec), str(dtype)
+
+
+def cmd_simulate(args) -> int:
+    from pdserve.cli.bench import first_errors, prepare_out_dir, print_summary, write_results
+    from pdserve.engine.config import EngineConfig
+    from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
+    from pdserve.loadgen.metrics import prefix_reuse_ceiling, summarize
+    from pdserve.loadgen.prefix_cache import prefix_cache_report
+    from pdserve.planner.simulate import SimConfig, Simulator
+
+    model, spec, dtype = read_profile(args.profile)
+    slo = slo_from_args(args)
+    engine = EngineConfig(
+        model=spec,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.chunked_prefill,
+        enable_prefix_caching=args.prefix_caching,
+        max_model_len=args.max_model_len,
+        target_itl_ms=args.target_itl_ms,
+    )
+    out = prepare_out_dir(args.out)
+    note = fall_back_without_datasets(args)
+    if note:
+        print(note, flush=True)
+    cfg = SimConfig(
+        engine,
+        args.placement,
+        args.prefill,
+        args.decode,
+        args.routing,
+        args.local_prefill_tokens,
+        args.max_requests_per_worker,
+        args.relay_ms / 1e3,
+    )
+    try:
+        sim = Simulator(cfg, model, dtype)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the profile's model {spec!r}: {exc}") from None
+    specs = build_specs(args, sim.tokenizer, sim.max_model_len, args.rate)
+    print(f"simulating {len(specs)} requests on {len(sim.workers)} {args.placement} workers", flush=True)
+    t0 = time.perf_counter()
+    records = sim.run(specs)
+    wall = time.perf_counter() - t0
+    prefix_cache = prefix_cache_report([], sim.prefix_counters())
+    prefix_cache["ceiling"] = prefix_reuse_ceiling([s.prompt_token_ids for s in specs])
+    summary = summarize(records, slo)
+    summary.update(
+        placement=args.placement,
+        model=spec,
+        rate_rps=args.rate,
+        sent=len(records),
+        scheduled=len(specs),
+        interrupted=False,
+        arrival=args.arrival,
+        prompts=args.prompts,
+        backend="simulate",
+        target=args.profile,
+        prefix_cache=prefix_cache,
+    )
+    write_results(out, records, summary)
+    rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
+    print_summary(summary, f"simulated {args.placement} @ {rate}", first_errors(records))
+    print(f"simulated in {wall:.1f} s wall; results: {out / 'results.jsonl'}, {out / 'summary.json'}")
+    return 0 if summary["failed"] == 0 else 1

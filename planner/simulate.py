@@ -1,0 +1,267 @@
+"""A discrete-event simulation of a pdserve cluster on a virtual clock, running pdserve's own
+scheduling code: each worker is a real ``LLMEngine`` on a ``VirtualRunner`` (its steps take the
+profile's predicted time), routing is ``WorkerPool``'s policies on handles without channels, and the
+split backend's local-prefill rule decides which requests the decode worker prefills itself.
+
+Events (a heap of virtual times): arrivals at their send times; a worker's step, which runs
+``LLMEngine.step`` and ends after the predicted time, its tokens then relayed (``relay_s``); a KV
+hand-off reaching its decode worker after ``StepModel.handoff_s`` of its bytes (``admit_kv``,
+retried and then preempting as the decode worker does); a stats poll every ``STATS_INTERVAL_S``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from pdserve.decode_worker.worker import ADMIT_PREEMPT_AFTER_S, ADMIT_RETRY_S
+from pdserve.engine.config import EngineConfig, for_role
+from pdserve.engine.kv.codec import KvPayload
+from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine, StepOutput
+from pdserve.engine.params import SamplingParams
+from pdserve.loadgen.metrics import RequestRecord
+from pdserve.loadgen.prefix_cache import WorkerPrefixCounters
+from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.step_model import StepModel
+from pdserve.planner.virtual_runner import VirtualClock, VirtualRunner
+from pdserve.router.pool import STATS_INTERVAL_S, Overloaded, WorkerHandle, WorkerPool
+from pdserve.router.split_backend import KV_TIMEOUT_S, prefills_on_decode
+
+ARRIVE, STEP, KV = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A cluster as ``pdserve serve`` would start it: ``engine`` before the roles' defaults
+    (``for_role``), worker counts (colocated: ``num_prefill + num_decode`` workers), routing,
+    the local-prefill threshold (tokens), the request bound per worker and the router's relay of
+    each token to the client (seconds)."""
+
+    engine: EngineConfig
+    placement: str = "split"
+    num_prefill: int = 1
+    num_decode: int = 1
+    routing: str = "prefix-aware"
+    local_prefill_tokens: int = 0
+    max_requests_per_worker: int = 0
+    relay_s: float = 0.0
+
+
+class SimWorker:
+    """One simulated worker: its engine on a virtual runner and clock, and the router's handle."""
+
+    def __init__(self, role: str, index: int, cfg: EngineConfig, model: StepModel, dtype: str) -> None:
+        self.role, self.clock = role, VirtualClock()
+        self.engine = LLMEngine(
+            for_role(cfg, role),
+            lambda c, d: VirtualRunner(c, d, model, dtype, self.clock),
+            self.clock.ns,
+        )
+        eos = self.engine.eos_token_ids
+        self.engine.runner.token = next(t for t in itertools.count() if t not in eos)
+        self.handle = WorkerHandle(role, f"{role}-{index}", None)
+        self.busy = False
+        self.outputs: list[StepOutput] = []  # of the step under way, handled when it ends
+        self.awaiting_kv = 0  # requests routed here whose KV has not been admitted
+
+
+@dataclass
+class _Request:
+    spec: RequestSpec
+    rec: RequestRecord
+    worker: SimWorker | None = None  # prefill (split) or colocated / prefilling decode worker
+    decode: SimWorker | None = None
+    held: int = 0  # prompt tokens the decode worker held for the KV (pin_prefix)
+    prefill_end_s: float = 0.0
+    kv_first_try_s: float = math.nan
+    output: list[int] = field(default_factory=list)
+
+
+class Simulator:
+    """Runs request specs through a simulated cluster (``SimConfig``) whose steps take
+    ``model``'s predicted time for the profile's ``dtype``. ValueError for a model that cannot load."""
+
+    def __init__(self, cfg: SimConfig, model: StepModel, dtype: str) -> None:
+        self.cfg, self.model = cfg, model
+        roles = (
+            [("colocated", cfg.num_prefill + cfg.num_decode)]
+            if cfg.placement == "colocated"
+            else [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
+        )
+        self.workers = [SimWorker(r, i, cfg.engine, model, dtype) for r, k in roles for i in range(k)]
+        self.by_address = {w.handle.address: w for w in self.workers}
+        self.pool = WorkerPool([], [], [], cfg.max_requests_per_worker, cfg.routing)
+        self.pool.workers = [w.handle for w in self.workers]
+        self.max_model_len = min(w.engine.max_model_len for w in self.workers)
+        self.tokenizer = self.workers[0].engine.tokenizer
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._next_poll = 0.0
+        self.requests: dict[str, _Request] = {}
+
+    # -- the event loop -------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
+
+    def run(self, specs: list[RequestSpec]) -> list[RequestRecord]:
+        """Every spec sent at its ``send_at_s`` (ignore_eos, ``max_tokens`` tokens); returns one
+        record per spec, times in virtual seconds from the start. A request a worker refuses
+        (too long, over the bound) or that never finishes gets an ``error``."""
+        for spec in specs:
+            self._push(spec.send_at_s, ARRIVE, spec)
+        while self._heap:
+            t, _, kind, obj = heapq.heappop(self._heap)
+            if t >= self._next_poll:
+                self._poll(t)
+            if kind == ARRIVE:
+                self._arrive(t, obj)
+            elif kind == STEP:
+                self._step(t, obj)
+            else:
+                self._admit(t, *obj)
+        for r in self.requests.values():
+            if not r.rec.finish_reason and not r.rec.error:
+                r.rec.error = "did not finish: no worker could schedule it (KV cache too small?)"
+        return [self.requests[f"sim-{s.index}"].rec for s in specs]
+
+    def _poll(self, t: float) -> None:
+        """The router's stats poll (``WorkerPool.refresh``) of every worker, at the last tick <= t."""
+        for w in self.workers:
+            s, h = w.engine.stats(), w.handle
+            h.free_kv_blocks, h.block_size, h.routed_blocks_since_poll = s["free_kv_blocks"], s["block_size"], 0
+            h.total_kv_blocks = s["free_kv_blocks"] + s["used_kv_blocks"]
+            h.num_running, h.num_waiting = s["num_running"], s["num_waiting"] + w.awaiting_kv
+            h.used_kv_blocks, h.fingerprint, h.cached_kv_blocks = (
+                s["used_kv_blocks"],
+                s["model_fingerprint"],
+                s["cached_kv_blocks"],
+            )
+        self._next_poll = (math.floor(t / STATS_INTERVAL_S) + 1) * STATS_INTERVAL_S
+
+    def _wake(self, w: SimWorker, t: float) -> None:
+        if not w.busy:
+            w.busy = True
+            self._push(t, STEP, w)
+
+    def _step(self, t: float, w: SimWorker) -> None:
+        """The step that ends at ``t`` hands out its tokens; the next one starts if there is work."""
+        outputs, w.outputs = w.outputs, []
+        for out in outputs:
+            self._output(t, w, out)
+        steps = w.engine.runner.num_steps
+        w.clock.now_s = t
+        if w.engine.has_work():
+            w.outputs = w.engine.step()
+        if w.engine.runner.num_steps == steps:  # nothing could run: wait for new work
+            w.busy = False
+        else:
+            self._push(w.clock.now_s, STEP, w)
+
+    # -- one request ----------------------------------------------------------------------------
+    def _arrive(self, t: float, spec: RequestSpec) -> None:
+        rid, prompt = f"sim-{spec.index}", list(spec.prompt_token_ids)
+        rec = RequestRecord(
+            index=spec.index,
+            request_id=rid,
+            scheduled_s=spec.send_at_s,
+            sent_s=t,
+            prompt_tokens=len(prompt),
+            max_tokens=spec.max_tokens,
+            token_times_s=[],
+        )
+        r = self.requests[rid] = _Request(spec, rec)
+        sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+        n, hashes, pool = len(prompt), self.pool.prefix_of(prompt), self.pool
+        try:
+            if self.cfg.placement == "colocated":
+                r.worker = self.by_address[pool.pick_colocated(n, hashes).address]
+            else:
+                r.decode = self.by_address[pool.pick_decode(n, hashes).address]
+                if prefills_on_decode(pool, r.decode.handle, n, hashes, self.cfg.local_prefill_tokens):
+                    r.worker, r.decode, rec.prefilled_on_decode = r.decode, None, True
+                else:
+                    r.worker = self.by_address[pool.pick_prefill(n, hashes).address]
+            r.worker.engine.check_request(prompt, sampling)
+        except (Overloaded, ValueError) as exc:
+            rec.error = str(exc)
+            return
+        w = r.worker.handle
+        w.outstanding_prefill_tokens += n
+        w.active_requests += 1
+        if r.decode is not None:  # SplitBackend: index both, count decode's request and blocks
+            pool.served(w, prompt)
+            pool.served(r.decode.handle, prompt)
+            r.decode.handle.active_requests += 1
+            r.decode.handle.routed_blocks_since_poll += -(-(n + 1) // r.decode.handle.block_size)
+            r.held = r.decode.engine.pin_prefix(rid, prompt)
+            r.decode.awaiting_kv += 1
+        r.worker.engine.add_request(rid, prompt, sampling)
+        self._wake(r.worker, t)
+
+    def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
+        seq, r = out.seq, self.requests[out.seq.request_id]
+        r.rec.token_times_s.append(t + self.cfg.relay_s)
+        r.output.append(out.token)
+        if out.prefill and len(r.rec.token_times_s) == 1:  # a recompute after preemption is no first token
+            r.worker.handle.outstanding_prefill_tokens -= seq.num_prompt_tokens
+            r.rec.queue_s = seq.prefill_start_ns / 1e9 - r.rec.sent_s
+            r.rec.prefill_s = (seq.prefill_end_ns - seq.prefill_start_ns) / 1e9
+            r.rec.cached_prompt_tokens = seq.num_cached_tokens
+            r.prefill_end_s = t
+        if w.role == "prefill":
+            w.handle.active_requests -= 1
+            if seq.is_finished:  # one token only: nothing to hand off
+                r.decode.awaiting_kv -= 1
+                r.decode.engine.unpin(seq.request_id)
+                self._finish(t, r, seq.finish_reason.value, r.decode)
+            else:
+                payload = w.engine.extract_kv(seq, skip_tokens=r.held)
+                r.rec.kv_transfer_bytes = payload.kv.nbytes
+                self._push(t + self.model.handoff_s(payload.kv.nbytes), KV, (r, payload))
+        elif seq.is_finished:
+            if r.decode is None:  # colocated, or prefilled on decode: served when it ends
+                self.pool.served(w.handle, list(r.spec.prompt_token_ids) + r.output[:-1])
+            self._finish(t, r, seq.finish_reason.value, w)
+
+    def _finish(self, t: float, r: _Request, reason: str, w: SimWorker) -> None:
+        r.rec.finish_reason = reason
+        w.handle.active_requests -= 1
+        if r.decode is not None:
+            r.rec.decode_s = t - (r.prefill_end_s + r.rec.kv_transfer_s)
+
+    def _admit(self, t: float, r: _Request, payload: KvPayload) -> None:
+        """A KV reaching its decode worker: admitted, or retried while the cache is full (after
+        ``ADMIT_PREEMPT_AFTER_S``, by preempting), as ``DecodeWorker.admit`` does."""
+        if math.isnan(r.kv_first_try_s):
+            r.kv_first_try_s = t
+        dw, waited = r.decode, t - r.kv_first_try_s
+        try:
+            dw.engine.admit_kv(payload, preempt=waited > ADMIT_PREEMPT_AFTER_S)
+        except KvCacheFullError as exc:
+            if waited > KV_TIMEOUT_S:
+                self._kv_failed(r, f"KV cache full for {KV_TIMEOUT_S:.0f}s: {exc}")
+            else:
+                self._push(t + ADMIT_RETRY_S, KV, (r, payload))
+            return
+        except ValueError as exc:
+            self._kv_failed(r, str(exc))
+            return
+        dw.awaiting_kv -= 1
+        r.rec.kv_transfer_s = t - r.prefill_end_s
+        self._wake(dw, t)
+
+    def _kv_failed(self, r: _Request, why: str) -> None:
+        r.decode.awaiting_kv -= 1
+        r.decode.handle.active_requests -= 1
+        r.decode.engine.unpin(r.rec.request_id)
+        r.rec.error = why
+
+    def prefix_counters(self) -> list[WorkerPrefixCounters]:
+        """Every worker's prefix-cache counters now (``pdserve bench``'s per-worker hit rates)."""
+        stats = [(w, w.engine.stats()) for w in self.workers]
+        return [
+            WorkerPrefixCounters(w.role, w.handle.address, s["prefix_query_tokens"], s["prefix_hit_tokens"])
+            for w, s in stats
+        ]
