@@ -207,8 +207,8 @@ def format_result(r: ThroughputResult) -> str:
             f"{r.prefill_fraction:.0%})",
             f"decode    {r.decode_step_ms:9.2f} ms/step at batch {r.decode_batch}   "
             f"(bound {r.decode_step_bound_ms:.2f} ms, {r.decode_fraction:.0%})",
-            f"probes    matmul {r.matmul_tflops * 1e3:.1f} GFLOP/s at prefill rows, "
-            f"{r.matmul_tflops_decode * 1e3:.1f} at {r.decode_batch} rows; memory read {r.memory_gbps:.1f} GB/s",
+            f"probes    matmul {r.matmul_tflops * 1e3:.3g} GFLOP/s at prefill rows, "
+            f"{r.matmul_tflops_decode * 1e3:.3g} at {r.decode_batch} rows; memory read {r.memory_gbps:.3g} GB/s",
             *(
                 [
                     "warning: a figure is past its bound, so the probes were slowed by other work on this machine; "

@@ -167,7 +167,7 @@ def test_throughput_prints_and_writes_figures(tmp_path):
     import re
 
     # the GEMM probes in units that show a small CPU's rate (not "0.00 TFLOP/s")
-    probe = re.search(r"matmul ([0-9.]+) GFLOP/s at prefill rows, ([0-9.]+) at 3 rows", run.stdout)
+    probe = re.search(r"matmul ([0-9.e+-]+) GFLOP/s at prefill rows, ([0-9.e+-]+) at 3 rows", run.stdout)
     assert probe and float(probe[1]) > 0 and float(probe[2]) > 0, run.stdout
     import json
 

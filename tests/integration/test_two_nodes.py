@@ -225,7 +225,9 @@ def test_link_faults_between_prefill_and_decode(nodes):
     assert {"none", "slow", "loss", "cut-5s", "cut-15s", "cut-35s"} <= set(ran), rows  # tc htb + bpf at least
     for name in ("cut-5s", "cut-15s", "cut-35s"):  # each cut came while a KV push was under way
         assert ran[name]["in_flight_at_cut"] >= 1, ran[name]
-    assert ran["slow"]["max_end_s"] > 3 * ran["none"]["max_end_s"], rows  # the shaping took hold
+    # the shaping took hold: on a quiet machine the slow case takes 5-7x the clean one; 2x leaves room
+    # for a busy machine, where the clean case slows too, and still tells shaped from unshaped
+    assert ran["slow"]["max_end_s"] > 2 * ran["none"]["max_end_s"], rows
     assert problems(rows) == [], f"{problems(rows)}\n{log[-4000:]}"
 
 
