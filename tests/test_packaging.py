@@ -18,22 +18,10 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from tests.test_layering import ALL_FOLDERS
+
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = (
-    "proto",
-    "engine",
-    "rpc",
-    "worker",
-    "prefill_worker",
-    "decode_worker",
-    "colocated_worker",
-    "router",
-    "cluster",
-    "loadgen",
-    "planner",
-    "soak",
-    "cli",
-)
+FOLDERS = ALL_FOLDERS  # every folder that installs under the namespace (tests/test_layering.py)
 # Package data that must travel with the code (pyproject.toml [tool.setuptools.package-data]).
 DATA_FILES = (
     "pdserve/v1/generate.proto",
