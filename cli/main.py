@@ -1,7 +1,7 @@
-"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, profile, simulate, soak.
+"""The ``pdserve`` command: serve, generate, demo, bench, compare, throughput, profile, simulate, plan, soak.
 
 Each subcommand lives in its own module (``cli/serve.py``, ``cli/generate.py``, ``cli/demo.py``,
-``cli/bench.py``, ``cli/compare.py``, ``cli/profile.py``, ``cli/simulate.py``, ``soak/trace_soak.py``)
+``cli/bench.py``, ``cli/compare.py``, ``cli/profile.py``, ``cli/simulate.py``, ``cli/plan.py``, ``soak/trace_soak.py``)
 with the function that adds its parser; this module builds the parser from them and dispatches. ``throughput``'s parser
 is built here, since ``cli/throughput.py`` loads torch and the parser is built without it.
 """
@@ -17,6 +17,7 @@ from pdserve.cli.bench import add_bench_parser
 from pdserve.cli.compare import add_compare_parser
 from pdserve.cli.demo import add_demo_parser
 from pdserve.cli.generate import add_generate_parser
+from pdserve.cli.plan import add_plan_parser
 from pdserve.cli.profile import add_profile_parser
 from pdserve.cli.serve import add_serve_parser
 from pdserve.cli.simulate import add_simulate_parser
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_parser(sub)
     add_profile_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     add_demo_parser(sub)
     add_bench_parser(sub)
     add_compare_parser(sub)

@@ -1,0 +1,203 @@
+"""Placement search (``pdserve plan``): for each candidate unit (colocated: 1 worker; split: the
+smallest unit of a P:D ratio, ``p + d`` workers), find the highest request rate at which the
+simulated SLO attainment stays at or above a target, as DistServe's placement search does, and
+rank the candidates by goodput per worker (that rate x attainment / unit size).
+
+Every probe runs ``Simulator`` (``planner/simulate.py``) and reads attainment from the bench's own
+``summarize``. A cluster of N workers is taken to be ``floor(N / unit)`` independent units (the
+scaling assumption: units share nothing, so goodput adds up; the ``N mod unit`` left over idle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.params import SamplingParams
+from pdserve.loadgen.metrics import SLO, summarize
+from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.simulate import SimConfig, Simulator
+from pdserve.planner.step_model import StepModel
+
+DEFAULT_LOCAL_PREFILL = (0, 32, 256)
+DEFAULT_MAX_NUM_SEQS = (16, 64)
+DEFAULT_MAX_UNIT = 4
+MAX_UNIT = 8
+DEFAULT_START_RATE = 1.0  # req/s per worker of the unit, the search's first probe
+SCALING_NOTE = "a cluster of N workers = floor(N / unit) independent units (leftover workers idle)"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    placement: str  # split | colocated
+    num_prefill: int
+    num_decode: int
+    local_prefill_tokens: int
+    max_num_seqs: int
+
+    @property
+    def unit(self) -> int:
+        return 1 if self.placement == "colocated" else self.num_prefill + self.num_decode
+
+    @property
+    def label(self) -> str:
+        if self.placement == "colocated":
+            return f"colocated seqs={self.max_num_seqs}"
+        return f"{self.num_prefill}:{self.num_decode} lp={self.local_prefill_tokens} seqs={self.max_num_seqs}"
+
+
+def ratios(max_unit: int) -> list[tuple[int, int]]:
+    """Every P:D ratio in lowest terms whose unit ``p + d`` is at most ``max_unit`` (1:1 first)."""
+    out = [(p, s - p) for s in range(2, max_unit + 1) for p in range(1, s) if math.gcd(p, s - p) == 1]
+    return sorted(out, key=lambda r: (r[0] + r[1], -r[0]))
+
+
+def candidates(
+    num_workers: int,
+    max_unit: int = DEFAULT_MAX_UNIT,
+    local_prefill: tuple[int, ...] = DEFAULT_LOCAL_PREFILL,
+    max_num_seqs: tuple[int, ...] = DEFAULT_MAX_NUM_SEQS,
+    only_ratios: list[tuple[int, int]] | None = None,
+) -> list[Candidate]:
+    """Colocated (unit 1) and every split ratio whose unit fits in ``min(num_workers, max_unit)``,
+    each with every ``max_num_seqs`` (and for split, every ``local_prefill``). ValueError for N < 1."""
+    if num_workers < 1:
+        raise ValueError(f"--workers must be at least 1, not {num_workers}")
+    cap = min(num_workers, max_unit)
+    pairs = [r for r in (only_ratios or ratios(cap)) if r[0] + r[1] <= cap and min(r) >= 1]
+    out = [Candidate("colocated", 1, 0, 0, s) for s in max_num_seqs]
+    out += [Candidate("split", p, d, lp, s) for p, d in pairs for lp in local_prefill for s in max_num_seqs]
+    return out
+
+
+def scaled(specs: list[RequestSpec], factor: float, count: int | None = None) -> list[RequestSpec]:
+    """``specs`` sent ``factor`` times as fast (send times divided by it), repeated in turn (each
+    round after the last, one mean gap later) to ``count`` requests."""
+    count = count or len(specs)
+    period = specs[-1].send_at_s + specs[-1].send_at_s / max(len(specs) - 1, 1) if specs else 0.0
+    out = []
+    for i in range(count):
+        s = specs[i % len(specs)]
+        t = s.send_at_s + (i // len(specs)) * period
+        out.append(dataclasses.replace(s, index=i, send_at_s=t / factor))
+    return out
+
+
+class Planner:
+    """Searches ``Candidate`` units with ``specs`` built at 1 req/s (the arrival process of the
+    workload; a probe at rate R divides their send times by R)."""
+
+    def __init__(self, engine: EngineConfig, model: StepModel, dtype: str, slo: SLO, attainment: float = 0.9,
+                 routing: str = "prefix-aware", max_requests_per_worker: int = 512, search_steps: int = 4,
+                 rates: list[float] | None = None, max_requests: int = 100) -> None:  # fmt: skip
+        self.engine, self.model, self.dtype, self.slo = engine, model, dtype, slo
+        self.attainment, self.routing, self.bound = attainment, routing, max_requests_per_worker
+        self.search_steps, self.rates = search_steps, sorted(rates) if rates else None
+        self.simulations, self.max_requests = 0, max_requests
+
+    def count(self, specs: list[RequestSpec], rate: float) -> int:
+        """Requests of a probe at ``rate``: enough to span twice a request's SLO budget (TTFT + TPOT
+        x mean output) so that a queue can build, at least ``len(specs)``, at most ``max_requests``."""
+        mean_out = sum(s.max_tokens for s in specs) / len(specs)
+        span = 2 * (self.slo.ttft_s + self.slo.tpot_s * mean_out)
+        return max(len(specs), min(self.max_requests, math.ceil(rate * span)))
+
+    def check_fits(self, specs: list[RequestSpec]) -> None:
+        """ValueError (one line) when a request cannot run on the model (too long, KV too small)."""
+        eng = Simulator(SimConfig(self.engine, "colocated", 1, 0), self.model, self.dtype).workers[0].engine
+        for s in specs:
+            try:
+                eng.check_request(list(s.prompt_token_ids), SamplingParams(max_tokens=s.max_tokens, ignore_eos=True))
+            except ValueError as exc:
+                raise ValueError(f"the workload cannot fit the model: request {s.index}: {exc}") from None
+
+    def probe(self, cand: Candidate, specs: list[RequestSpec], rate: float) -> dict:
+        """The bench summary of ``specs`` at ``rate`` req/s on one unit of ``cand``."""
+        engine = dataclasses.replace(self.engine, max_num_seqs=cand.max_num_seqs)
+        cfg = SimConfig(
+            engine,
+            cand.placement,
+            cand.num_prefill,
+            cand.num_decode,
+            self.routing,
+            cand.local_prefill_tokens,
+            self.bound,
+        )
+        self.simulations += 1
+        return summarize(
+            Simulator(cfg, self.model, self.dtype).run(scaled(specs, rate, self.count(specs, rate))), self.slo
+        )
+
+    def _ok(self, summary: dict) -> bool:
+        return summary["slo_attainment"] >= self.attainment
+
+    def search(self, cand: Candidate, specs: list[RequestSpec]) -> dict:
+        """The highest rate (req/s per unit) meeting the attainment target, and its figures:
+        with ``rates``, the last of the ascending sweep before the first miss; otherwise doubling
+        (or halving) from ``DEFAULT_START_RATE`` x unit to bracket it, then ``search_steps`` bisections."""
+        best: tuple[float, dict] | None = None
+        if self.rates:
+            for r in self.rates:
+                s = self.probe(cand, specs, r)
+                if not self._ok(s):
+                    break
+                best = (r, s)
+        else:
+            lo, hi, r = None, None, DEFAULT_START_RATE * cand.unit
+            for _ in range(16):  # bracket [lo passes, hi fails]
+                s = self.probe(cand, specs, r)
+                if self._ok(s):
+                    best, lo = (r, s), r
+                    if hi is not None:
+                        break
+                    r *= 2
+                else:
+                    hi = r
+                    if lo is not None:
+                        break
+                    r /= 2
+            for _ in range(self.search_steps if lo is not None and hi is not None else 0):
+                mid = (lo * hi) ** 0.5
+                s = self.probe(cand, specs, mid)
+                if self._ok(s):
+                    best, lo = (mid, s), mid
+                else:
+                    hi = mid
+        return result(cand, best)
+
+    def run(self, cands: list[Candidate], specs: list[RequestSpec], num_workers: int) -> list[dict]:
+        """Every candidate's figures, best first (predicted goodput of ``num_workers``, then per worker)."""
+        self.check_fits(specs)
+        rows = [self.search(c, specs) for c in cands]
+        for row in rows:
+            units = num_workers // row["unit"]
+            row["units"] = units
+            row["cluster_goodput_rps"] = row["goodput_per_unit_rps"] * units
+            row["workers"] = workers_of(row, units)
+        rows.sort(key=lambda r: (-r["cluster_goodput_rps"], -r["goodput_per_worker_rps"], r["unit"]))
+        return rows
+
+
+def result(cand: Candidate, best: tuple[float, dict] | None) -> dict:
+    rate, s = best if best else (0.0, {})
+    att = s.get("slo_attainment", 0.0)
+    return {
+        "label": cand.label,
+        **dataclasses.asdict(cand),
+        "unit": cand.unit,
+        "max_rate_rps": rate,
+        "slo_attainment": att,
+        "goodput_per_unit_rps": rate * att,
+        "goodput_per_worker_rps": rate * att / cand.unit,
+        "ttft_p90_ms": s.get("ttft_p90_s", math.nan) * 1e3,
+        "tpot_p50_ms": s.get("tpot_p50_s", math.nan) * 1e3,
+    }
+
+
+def workers_of(row: dict, units: int) -> dict:
+    """Workers per role of ``units`` units of ``row``'s candidate."""
+    if row["placement"] == "colocated":
+        return {"colocated": units}
+    return {"prefill": row["num_prefill"] * units, "decode": row["num_decode"] * units}

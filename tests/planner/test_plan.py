@@ -1,0 +1,102 @@
+"""``pdserve plan``: the search never proposes a placement lacking a role, one worker gives
+colocated, the ratio follows the slower phase, bad inputs exit 2, plan.json holds every candidate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.planner.plan import candidates, ratios
+from tests.planner.test_simulate import run_cli, toy_profile
+
+WORKLOAD = ["--arrival", "poisson", "--prompts", "random", "--num-requests", "12", "--input-len", "64"]
+WORKLOAD += ["--output-len", "16", "--max-num-seqs", "16", "--local-prefill-tokens", "0", "--search-steps", "3"]
+
+
+def fit(**values):
+    return {"coefficients": {k: {"value": v, "unit": "s"} for k, v in values.items()}}
+
+
+def profile(prefill_s: float, decode_s: float) -> dict:
+    """A free hand-off; prefill takes ``prefill_s`` a prompt token, decode ``decode_s`` a row."""
+    p = toy_profile()
+    p["fits"]["prefill"] = fit(p0=1e-3, p1=prefill_s, p2=0.0)
+    p["fits"]["decode"] = fit(d0=1e-3, d1=decode_s, d2=0.0)
+    p["fits"]["handoff"] = fit(h0=0.0, h1=1e15)
+    return p
+
+
+def plan(tmp_path, prof: dict, workers: str, *extra: str) -> tuple[int, str, str, dict | None]:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    out = tmp_path / "out"
+    code, stdout, stderr = run_cli(
+        "plan", "--profile", str(path), "--workers", workers, "--out", str(out), *WORKLOAD, *extra
+    )
+    doc = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists() else None
+    return code, stdout, stderr, doc
+
+
+SLO = ["--slo-ttft-ms", "400", "--slo-tpot-ms", "60"]
+
+
+def test_ratios_and_candidates_have_every_role():
+    assert ratios(4) == [(1, 1), (2, 1), (1, 2), (3, 1), (1, 3)]
+    assert [c.placement for c in candidates(1)] == ["colocated", "colocated"]
+    assert all(c.num_prefill >= 1 and c.num_decode >= 1 for c in candidates(1000) if c.placement == "split")
+    assert max(c.unit for c in candidates(1000, max_unit=8)) == 8
+
+
+def test_one_worker_is_colocated(tmp_path):
+    code, out, _, doc = plan(tmp_path, profile(1e-4, 1e-4), "1", *SLO)
+    assert code == 0 and doc["best"]["placement"] == "colocated" and doc["best"]["workers"] == {"colocated": 1}
+    assert "best: colocated" in out
+
+
+def ratio_of(doc: dict) -> tuple[int, int]:
+    splits = [c for c in doc["candidates"] if c["placement"] == "split"]
+    best = max(splits, key=lambda c: c["goodput_per_worker_rps"])
+    return best["num_prefill"], best["num_decode"]
+
+
+def test_slow_prefill_wants_more_prefill_workers(tmp_path):
+    code, _, _, doc = plan(tmp_path, profile(2e-3, 1e-4), "12", *SLO, "--max-unit", "3")
+    assert code == 0
+    gp = {(c["num_prefill"], c["num_decode"]): c["goodput_per_worker_rps"] for c in doc["candidates"] if c["unit"] > 1}
+    assert gp[(2, 1)] > gp[(1, 1)] > gp[(1, 2)]
+    assert ratio_of(doc) == (2, 1)
+    best = doc["best"]
+    assert all(v >= 1 for v in best["workers"].values())
+    assert len(doc["candidates"]) == 4  # colocated, 1:1, 2:1, 1:2: every one with its figures
+    for c in doc["candidates"]:
+        assert {"max_rate_rps", "goodput_per_worker_rps", "slo_attainment", "ttft_p90_ms", "tpot_p50_ms"} <= set(c)
+
+
+def test_slow_decode_wants_more_decode_workers(tmp_path):
+    code, _, _, doc = plan(tmp_path, profile(1e-5, 3e-3), "12", "--slo-ttft-ms", "400", "--slo-tpot-ms", "40",
+                           "--max-unit", "3")  # fmt: skip
+    assert code == 0
+    gp = {(c["num_prefill"], c["num_decode"]): c["goodput_per_worker_rps"] for c in doc["candidates"] if c["unit"] > 1}
+    assert gp[(1, 2)] > gp[(1, 1)] and ratio_of(doc) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "workers, extra, needle",
+    [
+        ("0", SLO, "--workers must be at least 1"),
+        ("4", ["--slo-ttft-ms", "100"], "--slo-tpot-ms"),
+        ("4", [], "plan needs an SLO"),
+        ("4", [*SLO, "--max-model-len", "32"], ""),
+    ],
+)
+def test_bad_inputs_exit_2(tmp_path, workers, extra, needle):
+    code, _, err, _ = plan(tmp_path, profile(1e-4, 1e-4), workers, *extra)
+    assert code == 2 and err.startswith("error:") and needle in err and err.count("\n") == 1
+
+
+def test_bad_profile_exits_2(tmp_path):
+    p = profile(1e-4, 1e-4)
+    del p["fits"]["decode"]
+    code, _, err, _ = plan(tmp_path, p, "4", *SLO)
+    assert code == 2 and err.startswith("error:")
