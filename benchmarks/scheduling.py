@@ -6,7 +6,7 @@ replayed from a trace (Mooncake: a 1/16 hashed sample of its conversations, ``--
 
 * colocated, chunked prefill (the default: chunks sized to a 200 ms step; and a fixed 256-token
   budget) vs ``--no-chunked-prefill``: p99 and max ITL, TTFT;
-* split, no prefix caching + least-loaded routing (the baseline, as before these features), prefix
+* split, no prefix caching + least-loaded routing (the baseline), prefix
   caching + least-loaded, and prefix caching + prefix-aware routing + conditional disaggregation
   (the defaults), each with 1 + 1 and 2 + 2 workers: prefix hit rate, TTFT p50/p90/mean, KV bytes
   moved from prefill to decode (``pdserve:kv_transfer_bytes`` on the router's /metrics), requests

@@ -12,8 +12,9 @@ import math
 import time
 from pathlib import Path
 
+from pdserve.cli.simulate import add_worker_size_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
-from pdserve.worker.flags import non_negative_int, positive_float, positive_fraction, positive_int
+from pdserve.worker.flags import non_negative_int, positive_fraction, positive_int
 
 TOP = 8
 
@@ -43,6 +44,8 @@ def float_list(text: str) -> list[float]:
 
 
 def add_plan_parser(sub) -> None:
+    from pdserve.router.pool import ROUTING_POLICIES
+
     p = sub.add_parser(
         "plan",
         help="search placements (colocated, P:D ratios, local prefill, max-num-seqs) for the best goodput per worker",
@@ -58,12 +61,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--rates", type=float_list, default=None, help="sweep these rates (req/s per unit) instead")
     p.add_argument("--max-probe-requests", type=positive_int, default=100, help="cap on the requests of one probe")
     p.add_argument("--search-steps", type=non_negative_int, default=4, help="bisections after bracketing the rate")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
-    p.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache per worker, GiB")
-    p.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
-    p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512, help="as pdserve serve; 0: none")
-    p.add_argument("--routing", choices=["prefix-aware", "least-loaded"], default="prefix-aware")
+    add_worker_size_args(p)
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix-aware")
     p.add_argument("--out", default=f"plan_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
     add_workload_args(p)
     add_slo_args(p)
@@ -71,6 +70,7 @@ def add_plan_parser(sub) -> None:
 
 
 def cmd_plan(args) -> int:
+    from pdserve.cli.bench import prepare_out_dir
     from pdserve.cli.simulate import read_profile
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
@@ -92,6 +92,7 @@ def cmd_plan(args) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
     )
+    out = prepare_out_dir(args.out)
     note = fall_back_without_datasets(args)
     if note:
         print(note, flush=True)
@@ -118,8 +119,6 @@ def cmd_plan(args) -> int:
         f"{f' ({idle} idle)' if idle else ''}; predicted goodput {best['cluster_goodput_rps']:.3g} req/s "
         f"({best['goodput_per_worker_rps']:.3g} per worker)"
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     doc = {
         "workers": args.workers,
         "profile": args.profile,

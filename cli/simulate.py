@@ -28,16 +28,12 @@ def add_simulate_parser(sub) -> None:
     p.add_argument(
         "--decode", type=positive_int, default=1, help="decode workers (split); colocated runs prefill+decode workers"
     )
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
-    p.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache per worker, GiB")
+    add_worker_size_args(p)
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="max sequences per step")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one step")
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false")
     p.add_argument("--target-itl-ms", type=positive_float, default=None, help="as pdserve serve")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    p.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
-    p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512, help="as pdserve serve; 0: none")
     add_routing_args(p)
     p.add_argument("--relay-ms", type=non_negative_float, default=0.0, help="router relay of each token, ms")
     p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s")
@@ -45,6 +41,16 @@ def add_simulate_parser(sub) -> None:
     add_workload_args(p)
     add_slo_args(p)
     p.set_defaults(func=cmd_simulate)
+
+
+def add_worker_size_args(p) -> None:
+    """The simulated workers' KV cache and request bound, as ``pdserve serve`` takes them (simulate
+    and plan)."""
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
+    p.add_argument("--kv-cache-gib", type=positive_float, default=0.5, help="KV cache per worker, GiB")
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="context window cap, tokens")
+    p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512, help="as pdserve serve; 0: none")
 
 
 def read_profile(path: str) -> tuple:
