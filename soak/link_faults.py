@@ -123,60 +123,17 @@ def shape_link(nodes: TwoNodes, shape: LinkShape) -> str:
             rate = f"{shape.rate_mbit:g}mbit" if shape.rate_mbit else LINE_RATE
             tc(
                 ns,
-                [
-                    "class",
-                    "add",
-                    "dev",
-                    dev,
-                    "parent",
-                    "1:",
-                    "classid",
-                    "1:1",
-                    "htb",
-                    "rate",
-                    rate,
-                    "ceil",
-                    rate,
-                    "quantum",
-                    str(HTB_QUANTUM),
-                ],
+                f"class add dev {dev} parent 1: classid 1:1 htb rate {rate} ceil {rate} quantum {HTB_QUANTUM}".split(),
             )
             if shape.loss_pct:  # the lost share goes to class 1:2, whose queue holds no packet
-                tc(
-                    ns,
-                    [
-                        "class",
-                        "add",
-                        "dev",
-                        dev,
-                        "parent",
-                        "1:",
-                        "classid",
-                        "1:2",
-                        "htb",
-                        "rate",
-                        LINE_RATE,
-                        "quantum",
-                        str(HTB_QUANTUM),
-                    ],
-                )
+                tc(ns, f"class add dev {dev} parent 1: classid 1:2 htb rate {LINE_RATE} quantum {HTB_QUANTUM}".split())
                 tc(ns, ["qdisc", "add", "dev", dev, "parent", "1:2", "handle", "2:", "pfifo", "limit", "0"])
+                bytecode = loss_bytecode(shape.loss_pct)  # holds spaces: one argument
                 tc(
                     ns,
                     [
-                        "filter",
-                        "add",
-                        "dev",
-                        dev,
-                        "parent",
-                        "1:",
-                        "protocol",
-                        "all",
-                        "prio",
-                        "1",
-                        "bpf",
-                        "bytecode",
-                        loss_bytecode(shape.loss_pct),
+                        *f"filter add dev {dev} parent 1: protocol all prio 1 bpf bytecode".split(),
+                        bytecode,
                         "flowid",
                         "1:2",
                     ],
