@@ -1,9 +1,9 @@
 """The points ``pdserve profile`` measures, and how they are cut to what one engine can hold.
 
-The default grid spans what a placement decision needs on a CPU in a few minutes: prompt steps of
-16..2048 tokens, cached prefixes of 256 and 1024 tokens, decode batches of 1..64 sequences at
-contexts up to 4096 tokens, mixed steps, and hand-offs of 16..4096 tokens of KV. The quick grid
-is a few small points of each kind, for tests.
+The default grid spans what a placement decision needs on a CPU in under a minute: prompt steps of
+16..2048 tokens, cached prefixes of 256 and 1024 tokens, steps of 4 and 16 prompts at once, decode
+batches of 1..64 sequences at contexts up to 4096 tokens, mixed steps at two decode contexts, and
+hand-offs of 16..4096 tokens of KV. The quick grid is a few small points of each kind, for tests.
 """
 
 from __future__ import annotations
@@ -17,19 +17,22 @@ USER_FIELDS = ("prefill_tokens", "cached_tokens", "batch_sizes", "context_lens")
 @dataclass(frozen=True)
 class Grid:
     """Token counts are tokens, batch sizes sequences. ``cached_tokens``: cached prefixes (each
-    measured under prompt steps of ``cached_with`` tokens); ``mixed_*``: prompt chunks beside
-    decoding sequences of ``mixed_context`` tokens each; ``repeats``: timed runs per point, spread
+    measured under prompt steps of ``cached_with`` tokens); ``batched_*``: steps of several prompts
+    (``batched_prompts`` of them, ``batched_tokens`` tokens each); ``mixed_*``: prompt chunks beside
+    decoding sequences of ``mixed_contexts`` tokens each; ``repeats``: timed runs per point, spread
     over ``passes`` passes over a section's points, each pass of a point after ``warmup`` untimed
     runs."""
 
     prefill_tokens: tuple[int, ...]
     cached_tokens: tuple[int, ...]
     cached_with: tuple[int, ...]
+    batched_prompts: tuple[int, ...]
+    batched_tokens: tuple[int, ...]
     batch_sizes: tuple[int, ...]
     context_lens: tuple[int, ...]
     mixed_prompt_tokens: tuple[int, ...]
     mixed_batch_sizes: tuple[int, ...]
-    mixed_context: int
+    mixed_contexts: tuple[int, ...]
     handoff_tokens: tuple[int, ...]
     repeats: int
     warmup: int = 1
@@ -52,11 +55,13 @@ DEFAULT = Grid(
     prefill_tokens=(16, 32, 64, 128, 256, 512, 1024, 2048),
     cached_tokens=(256, 1024),
     cached_with=(16, 128, 512),
+    batched_prompts=(4, 16),
+    batched_tokens=(16, 64, 128),
     batch_sizes=(1, 2, 4, 8, 16, 32, 64),
     context_lens=(64, 256, 1024, 4096),
-    mixed_prompt_tokens=(64, 256, 1024),
+    mixed_prompt_tokens=(16, 128, 512),
     mixed_batch_sizes=(1, 8, 32),
-    mixed_context=256,
+    mixed_contexts=(256, 1024),
     handoff_tokens=(16, 64, 256, 1024, 4096),
     repeats=5,
 )
@@ -64,11 +69,13 @@ QUICK = Grid(
     prefill_tokens=(16, 64, 256),
     cached_tokens=(64,),
     cached_with=(16, 64),
+    batched_prompts=(4,),
+    batched_tokens=(16,),
     batch_sizes=(1, 4),
     context_lens=(32, 128),
     mixed_prompt_tokens=(32, 128),
     mixed_batch_sizes=(2,),
-    mixed_context=32,
+    mixed_contexts=(32, 128),
     handoff_tokens=(16, 64, 256),
     repeats=3,
 )
@@ -137,6 +144,7 @@ def fit_grid(grid: Grid, lim: Limits, explicit: set[str] = frozenset()) -> tuple
             f"{grid.decode_margin} tokens it produces while measured fit the context window and the KV cache",
             explicit,
         ),
+        mixed_contexts=_cap(grid, "mixed_contexts", lim.room - grid.decode_margin, "", explicit),
         handoff_tokens=tuple(sorted({min(n, lim.room - 2) for n in grid.handoff_tokens} - {0, -1})),
     )
     if "cached_tokens" in explicit and len(g.cached_tokens) < len(grid.cached_tokens):
@@ -147,13 +155,21 @@ def fit_grid(grid: Grid, lim: Limits, explicit: set[str] = frozenset()) -> tuple
         (b, n) for b in g.batch_sizes for n in g.context_lens if b * lim.blocks_for(n + g.decode_margin) > lim.blocks
     ]
     notes += [f"decode batch {b} x {n} tokens: more KV than the cache holds (raise --kv-cache-gib)" for b, n in big]
+    run = set(batched_points(g, lim))
+    notes += [
+        f"step of {k} prompts of {n} tokens: past the step's token budget, --max-num-seqs or the KV cache"
+        for k in g.batched_prompts
+        for n in g.batched_tokens
+        if (k, n) not in run
+    ]
     run = set(mixed_points(g, lim))
     notes += [
-        f"mixed step of {p} prompt tokens beside {d} sequences: past the step's token budget, "
-        "--max-num-seqs or the KV cache"
+        f"mixed step of {p} prompt tokens beside {d} sequences of {n} tokens: past the step's token budget, "
+        "--max-num-seqs, the context window or the KV cache"
+        for n in g.mixed_contexts
         for d in g.mixed_batch_sizes
         for p in g.mixed_prompt_tokens
-        if (p, d) not in run
+        if (p, d, n) not in run
     ]
     if len(g.prefill_tokens) + len(cached_points(g, lim)) < 3 or len(g.handoff_tokens) < 2:
         raise ValueError("the context window or the KV cache leaves too few prompt lengths to fit a model")
@@ -167,6 +183,16 @@ def cached_points(g: Grid, lim: Limits) -> list[tuple[int, int]]:
     return [(n, c) for c in g.cached_tokens for n in g.cached_with if n <= lim.budget and c + n < lim.room]
 
 
+def batched_points(g: Grid, lim: Limits) -> list[tuple[int, int]]:
+    """(prompts, tokens each) of the steps of several fresh prompts that fit one step and the cache."""
+    return [
+        (k, n)
+        for k in g.batched_prompts
+        for n in g.batched_tokens
+        if 1 < k <= lim.rows and k * n <= lim.budget and n < lim.room and k * lim.blocks_for(n + 1) <= lim.blocks
+    ]
+
+
 def decode_points(g: Grid, lim: Limits) -> list[tuple[int, int]]:
     """(batch, context) of the decode points whose KV the cache holds."""
     return [
@@ -174,15 +200,20 @@ def decode_points(g: Grid, lim: Limits) -> list[tuple[int, int]]:
     ]
 
 
-def mixed_points(g: Grid, lim: Limits) -> list[tuple[int, int]]:
-    """(prompt tokens, decoding sequences) of the mixed points this engine can run as one step:
-    the decode rows leave one row to the prompt, and both fit the token budget and the cache."""
-    kv = lim.blocks_for(g.mixed_context + g.decode_margin)
-    if g.mixed_context + g.decode_margin > lim.room:
-        return []
-    return [
-        (p, d)
-        for d in g.mixed_batch_sizes
-        for p in g.mixed_prompt_tokens
-        if d < lim.rows and p + d <= lim.budget and p < lim.room and d * kv + lim.blocks_for(p + 1) <= lim.blocks
-    ]
+def mixed_points(g: Grid, lim: Limits) -> list[tuple[int, int, int]]:
+    """(prompt tokens, decoding sequences, their context) of the mixed points this engine can run as
+    one step: the decode rows leave one row to the prompt, and both fit the token budget and the cache."""
+    points = []
+    for n in g.mixed_contexts:
+        kv = lim.blocks_for(n + g.decode_margin)
+        points += [
+            (p, d, n)
+            for d in g.mixed_batch_sizes
+            for p in g.mixed_prompt_tokens
+            if n + g.decode_margin <= lim.room
+            and d < lim.rows
+            and p + d <= lim.budget
+            and p < lim.room
+            and d * kv + lim.blocks_for(p + 1) <= lim.blocks
+        ]
+    return points

@@ -10,10 +10,12 @@ host, so a GPU step is timed whole. The engine is driven directly (``add_request
 
 - prefill: a prompt of ``n`` random tokens in one step (``max_tokens`` 1); with a cached prefix,
   the prefix is sent first, and each timed prompt shares its first ``c`` tokens, which the engine
-  must report cached (``Sequence.num_cached_tokens``);
+  must report cached (``Sequence.num_cached_tokens``); and ``k`` prompts of ``n`` tokens at once,
+  all in one step;
 - decode: ``b`` sequences admitted with random KV of ``L`` tokens each by ``admit_kv`` (the decode
   worker's path: no prefill is computed for them), then pure decode steps of the whole batch;
-- mixed: a fresh prompt chunk beside ``d`` such decoding sequences, in one chunked-prefill step;
+- mixed: a fresh prompt beside ``d`` such decoding sequences of ``L`` tokens, in one chunked-prefill
+  step;
 - hand-off: ``planner.handoff``, to a real decode worker over loopback gRPC.
 """
 
@@ -37,7 +39,7 @@ from pdserve.engine.kv.codec import KvPayload
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import Sequence
-from pdserve.planner.grid import Grid, Limits, cached_points, decode_points, fit_grid, mixed_points
+from pdserve.planner.grid import Grid, Limits, batched_points, cached_points, decode_points, fit_grid, mixed_points
 from pdserve.planner.handoff import measure_handoff
 from pdserve.planner.step_model import SCHEMA, fit_profile
 
@@ -130,12 +132,15 @@ class Stepper:
             raise RuntimeError(f"a measured step sampled {len(outputs)} tokens, expected {expect}")
         return seconds
 
-    def prompt(self, ids: list[int], cached: int) -> float:
-        """Seconds of the one step that prefills ``ids``, whose first ``cached`` tokens must come from the cache."""
-        seq = self.engine.add_request(self.rid("prefill"), ids, SamplingParams(temperature=0.0, max_tokens=1))
-        seconds = self.step(1)
-        if seq.num_cached_tokens != cached or not seq.is_finished:
-            raise RuntimeError(f"a prompt expected to reuse {cached} cached tokens reused {seq.num_cached_tokens}")
+    def prompts(self, prompts: list[list[int]], cached: int) -> float:
+        """Seconds of the one step that prefills every prompt, whose first ``cached`` tokens each must
+        come from the cache."""
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        seqs = [self.engine.add_request(self.rid("prefill"), ids, params) for ids in prompts]
+        seconds = self.step(len(seqs))
+        for seq in seqs:
+            if seq.num_cached_tokens != cached or not seq.is_finished:
+                raise RuntimeError(f"a prompt expected to reuse {cached} cached tokens reused {seq.num_cached_tokens}")
         return seconds
 
     def run_to_end(self, ids: list[int]) -> None:
@@ -193,21 +198,23 @@ def measure_steps(st: Stepper, sections: list[Section], say: Callable[[str], Non
 
 
 def prefill_section(st: Stepper, lim: Limits) -> Section:
-    specs = [(n, 0) for n in st.grid.prefill_tokens] + cached_points(st.grid, lim)
-    prefixes = {c: st.ids(c) for _, c in specs}
+    """Steps of ``k`` prompts of ``n`` tokens after a cached prefix of ``c``: ``(k, n, c)``."""
+    specs = [(1, n, 0) for n in st.grid.prefill_tokens] + [(1, n, c) for n, c in cached_points(st.grid, lim)]
+    specs += [(k, n, 0) for k, n in batched_points(st.grid, lim)]
+    prefixes = {c: st.ids(c) for _, _, c in specs}
 
     def run(spec: tuple, reps: int) -> list[float]:
-        n, c = spec
+        k, n, c = spec
         if c:
             st.run_to_end(prefixes[c])  # (back) in the prefix cache
-        return st.timed(lambda: st.prompt(prefixes[c] + st.ids(n), c), reps)
+        return st.timed(lambda: st.prompts([prefixes[c] + st.ids(n) for _ in range(k)], c), reps)
 
     return Section(
         "prefill",
         specs,
         run,
-        lambda n, c: f"prefill  n={n:5d} c={c:5d}",
-        lambda spec, samples: _point(samples, tokens=spec[0], cached_tokens=spec[1]),
+        lambda k, n, c: f"prefill  n={n:5d} c={c:5d} k={k:3d}",
+        lambda spec, samples: _point(samples, prompts=spec[0], tokens=spec[1], cached_tokens=spec[2]),
     )
 
 
@@ -217,8 +224,8 @@ def decode_section(st: Stepper, lim: Limits, mixed: bool = False) -> Section:
     contexts: dict[tuple, list[int]] = {}
 
     def run(spec: tuple, reps: int) -> list[float]:
-        p, b = spec if mixed else (0, spec[0])
-        seqs, totals = st.admit(b, st.grid.mixed_context if mixed else spec[1]), []
+        p, b, context = spec if mixed else (0, *spec)
+        seqs, totals = st.admit(b, context), []
 
         def one() -> float:
             totals.append(sum(s.num_tokens for s in seqs))  # positions the decode rows attend to
@@ -242,7 +249,8 @@ def decode_section(st: Stepper, lim: Limits, mixed: bool = False) -> Section:
         return _point(samples, batch=spec[0], context=total / spec[0], total_context=total)
 
     if mixed:
-        return Section("mixed", mixed_points(st.grid, lim), run, lambda p, d: f"mixed    p={p:5d} d={d:5d}", point)
+        specs, label = mixed_points(st.grid, lim), lambda p, d, n: f"mixed    p={p:5d} d={d:5d} L={n:5d}"
+        return Section("mixed", specs, run, label, point)
     return Section("decode", decode_points(st.grid, lim), run, lambda b, n: f"decode   b={b:5d} L={n:5d}", point)
 
 
@@ -279,7 +287,7 @@ def run_profile(
         "warmup": grid.warmup,
         "timer": TIMER,
         "decode_batches": "admitted by LLMEngine.admit_kv with random KV (the decode worker's path)",
-        "mixed_context_tokens": grid.mixed_context,
+        "mixed_context_tokens": list(grid.mixed_contexts),
         "handoff_transport": transport,
         "skipped": notes,
     }

@@ -1,14 +1,32 @@
 """The step-time model fitted to a profile (``pdserve profile``): how long a prefill step, a decode
 step, a mixed step and a KV hand-off take on the machine, model and dtype that were measured.
 
-In seconds, for a step that computes ``n`` uncached prompt tokens after ``c`` cached prefix tokens,
-or decodes ``b`` sequences whose contexts add up to ``T`` tokens, and a hand-off of ``B`` KV bytes:
+In seconds, for a step that computes prompt chunks of ``n`` uncached tokens after ``c`` cached
+prefix tokens, or decodes ``b`` sequences whose contexts add up to ``T`` tokens, and a hand-off of
+``B`` KV bytes:
 
-- ``prefill_s(n, c) = p0 + p1*n + p2*n*(n/2 + c)``: a cost per step, the linear layers per token,
-  and causal attention (each new token attends to the prefix and, on average, half the chunk);
+- ``prefill_s(n, c) = p0 + p1*n + p2*n*(n/2 + c) + p3*n^2``: a cost per step, the linear layers
+  per token, causal attention (each new token attends to the prefix and, on average, half the
+  chunk), and the rise of the cost per token with the step's size: past some size a step's
+  activations (``n`` rows of the widest layer) no longer fit the caches, and every layer streams
+  them from memory (the embedded model's MLP on a 2-core EPYC: 4.3 us a token and layer up to 1024
+  tokens, 7.7 us at 2048); ``p3*n^2`` is the smooth stand-in for that rise (0 where nothing
+  spills). A step of several prompts (``batch_s``) pays ``p0`` once, ``p1`` and ``p3`` on the
+  tokens of all of them (they go through the layers as one packed batch) and the attention of each
+  (each attends to itself only). The profile measures such steps beside single prompts and cached
+  prefixes, which also tell the two quadratic terms apart;
 - ``decode_s(b, T) = d0 + d1*b + d2*T``: the weights read once per step, a cost per row, the KV read;
-- ``mixed_s(n, c, b, T) = prefill_s(n, c) + decode_s(b, T) - min(p0, d0)``: a chunked-prefill step
-  pays one per-step cost, not two (the smaller one is taken off, so the sum errs long);
+- ``mixed_s(n, c, b, T) = prefill_s(n, c) + m1*b + m2*T``: a chunked-prefill step is a prefill step
+  (one per-step cost, ``p0``) whose decode rows are query rows of one token each: ``m1`` per row
+  (its pass through the layers, its logits and sampled token, its bookkeeping) and ``m2`` per
+  position it attends to. They are not ``d1`` and ``d2``: the rows take the prefill path, where
+  the attention kernel reads their K/V as one-row tiles of a packed batch, without the decode
+  path's prefetch of the next KV blocks, so a context token costs more than in a decode step (a
+  row with 1024-1900 tokens of context: 1.3-1.6x its time in a decode step, on a 2-core EPYC).
+  ``m1`` and ``m2`` are fitted to the mixed points (less ``prefill_s`` of their prompts), which
+  span two decode contexts so that the two separate. A step never takes less than
+  ``decode_s(b, T)``, the decode step of its rows alone, so a prompt joining decode rows never
+  makes a step faster;
 - ``handoff_s(B) = h0 + B / h1``: read out of the cache, serialise, stream over gRPC, decode and
   write into the receiver's cache.
 
@@ -21,22 +39,22 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-SCHEMA = 1  # the layout of the profile JSON; from_profile reads only this one
+SCHEMA = 2  # the layout of the profile JSON; from_profile reads only this one (1: the mixed step not fitted)
 SECTIONS = ("prefill", "decode", "mixed", "handoff")  # of both ``points`` and ``fits``
 UNITS = {
-    "prefill": {"p0": "s", "p1": "s/token", "p2": "s/token^2"},
+    "prefill": {"p0": "s", "p1": "s/token", "p2": "s/token^2", "p3": "s/token^2"},
     "decode": {"d0": "s", "d1": "s/sequence", "d2": "s/context token"},
-    "mixed": {"fixed_s": "s"},
+    "mixed": {"m1": "s/sequence", "m2": "s/context token"},
     "handoff": {"h0": "s", "h1": "bytes/s"},
 }
 FORMULAS = {
-    "prefill": "p0 + p1*n + p2*n*(n/2 + c)",
+    "prefill": "p0 + p1*n + p2*n*(n/2 + c) + p3*n^2; over a step's prompts: p1, p3 on all their tokens, p2 summed",
     "decode": "d0 + d1*b + d2*T",
-    "mixed": "prefill_s(n, c) + decode_s(b, T) - fixed_s, fixed_s = min(p0, d0)",
+    "mixed": "prefill_s(n, c) + m1*b + m2*T",
     "handoff": "h0 + bytes / h1",
 }
 
@@ -49,20 +67,18 @@ class StepModel:
     p0: float
     p1: float
     p2: float
+    p3: float
     d0: float
     d1: float
     d2: float
+    m1: float
+    m2: float
     h0: float
     h1: float
 
-    @property
-    def mixed_fixed_s(self) -> float:
-        """The per-step cost a mixed step does not pay twice: ``min(p0, d0)``, seconds."""
-        return min(self.p0, self.d0)
-
     def prefill_s(self, n: float, c: float = 0) -> float:
         """Seconds of a step computing ``n`` prompt tokens after a cached prefix of ``c`` tokens."""
-        return self.p0 + self.p1 * n + self.p2 * n * (n / 2 + c)
+        return self.p0 + self.p1 * n + self.p2 * n * (n / 2 + c) + self.p3 * n * n
 
     def decode_s(self, b: float, total_context: float) -> float:
         """Seconds of a step decoding ``b`` sequences whose contexts add up to ``total_context``
@@ -73,21 +89,21 @@ class StepModel:
         """Seconds of a chunked-prefill step: ``n`` prompt tokens after ``c`` cached ones beside ``b``
         decoding sequences of ``total_context`` tokens in all; a pure prefill or decode step when
         ``b`` or ``n`` is 0."""
-        if b <= 0:
-            return self.prefill_s(n, c)
-        if n <= 0:
-            return self.decode_s(b, total_context)
-        return self.prefill_s(n, c) + self.decode_s(b, total_context) - self.mixed_fixed_s
+        return self.batch_s([(n, c)] if n > 0 else [], b, total_context)
 
     def batch_s(self, chunks: list[tuple[int, int]], b: int, total_context: float) -> float:
         """Seconds of an engine step computing prompt ``chunks`` (``(n, c)``: ``n`` tokens after ``c``
         already in the cache, one per sequence) beside ``b`` decoding sequences of ``total_context``
-        tokens in all: ``mixed_s`` with the attention term summed over the chunks."""
+        tokens in all: ``prefill_s`` with the tokens and the attention summed over the chunks, plus
+        ``m1`` and ``m2`` for the decode rows, and never less than the decode step of those rows
+        alone (``decode_s``, what the step is when there is no chunk)."""
         n = sum(q for q, _ in chunks)
         if b > 0 and n <= 0:
             return self.decode_s(b, total_context)
-        pre = self.p0 + self.p1 * n + self.p2 * sum(q * (q / 2 + c) for q, c in chunks)
-        return pre + self.decode_s(b, total_context) - self.mixed_fixed_s if b > 0 else pre
+        pre = self.p0 + self.p1 * n + self.p2 * sum(q * (q / 2 + c) for q, c in chunks) + self.p3 * n * n
+        if b <= 0:
+            return pre
+        return max(pre + self.m1 * b + self.m2 * total_context, self.decode_s(b, total_context))
 
     def handoff_s(self, nbytes: float) -> float:
         """Seconds to hand ``nbytes`` of KV from a prefill engine's cache to a decode engine's."""
@@ -100,7 +116,10 @@ class StepModel:
         if not isinstance(profile, dict):
             raise ValueError(f"a profile is a JSON object, got {type(profile).__name__}")
         if profile.get("schema") != SCHEMA:
-            raise ValueError(f"profile schema {profile.get('schema')!r}; this pdserve reads schema {SCHEMA}")
+            raise ValueError(
+                f"profile schema {profile.get('schema')!r}; this pdserve reads schema {SCHEMA} "
+                "(run pdserve profile again to write one)"
+            )
         for key in ("machine", "points", "fits"):
             if not isinstance(profile.get(key), dict):
                 raise ValueError(f"profile has no {key!r} section")
@@ -114,14 +133,13 @@ class StepModel:
                 if not isinstance(coef, dict) or "value" not in coef:
                     raise ValueError(f"profile has no coefficient fits.{section}.coefficients.{name}")
                 values[name] = coef["value"]
-        del values["fixed_s"]  # derived from p0 and d0
         values["h1"] = math.inf if values["h1"] is None else values["h1"]
         return cls(**{k: float(v) for k, v in values.items()})
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares ``min |a x - y|, x >= 0``, exactly, by trying every subset of
-    columns (the models here have at most three)."""
+    columns (the models here have at most four)."""
     best, best_err = np.zeros(a.shape[1]), float(np.sum(y**2))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
@@ -136,14 +154,16 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_relative(features: list[list[float]], seconds: list[float]) -> list[float]:
-    """Non-negative coefficients minimising the squared relative error over the points."""
+def fit_relative(features: list[list[float]], seconds: list[float], known: list[float] | None = None) -> list[float]:
+    """Non-negative coefficients minimising the squared relative error over the points, of the
+    part of each point's seconds not already ``known`` (another fit's share of it; none when None)."""
     a, y = np.asarray(features, dtype=float), np.asarray(seconds, dtype=float)
     if len(y) < a.shape[1]:
         raise ValueError(f"{len(y)} points cannot determine {a.shape[1]} coefficients")
     if np.any(y <= 0):
         raise ValueError("every measured time must be > 0")
-    return [float(v) for v in nnls(a / y[:, None], np.ones_like(y))]
+    rest = y if known is None else y - np.asarray(known, dtype=float)
+    return [float(v) for v in nnls(a / y[:, None], rest / y)]
 
 
 def error_stats(predicted: list[float], seconds: list[float]) -> dict:
@@ -155,22 +175,27 @@ def error_stats(predicted: list[float], seconds: list[float]) -> dict:
 def fit_profile(points: dict) -> dict:
     """The ``fits`` section for the ``points`` of a profile (keys as ``pdserve profile`` writes
     them): for each section its formula, coefficients (``{"value", "unit"}``) and error on its own
-    points. ValueError when a section has too few points to fit."""
+    points. ValueError when a section has too few points to fit; with fewer than 2 mixed points,
+    the decode rows of a mixed step are taken to cost what they cost in a decode step (``d1``, ``d2``)."""
     pre, dec, mix, hand = (points[s] for s in SECTIONS)
-    p = fit_relative([[1, q["tokens"], q["tokens"] * (q["tokens"] / 2 + q["cached_tokens"])] for q in pre], _s(pre))
+    p = fit_relative([[1, _n(q), q["prompts"] * _pairs(q), _n(q) ** 2] for q in pre], _s(pre))
     d = fit_relative([[1, q["batch"], q["total_context"]] for q in dec], _s(dec))
     h0, per_byte = fit_relative([[1, q["bytes"]] for q in hand], _s(hand))
-    model = StepModel(*p, *d, h0, 1 / per_byte if per_byte > 0 else math.inf)
+    model = StepModel(*p, *d, m1=d[1], m2=d[2], h0=h0, h1=1 / per_byte if per_byte > 0 else math.inf)
+    if len(mix) >= 2:  # the decode rows' share of each mixed point: what its prompt chunk leaves
+        chunk = [model.prefill_s(q["prompt_tokens"], q["cached_tokens"]) for q in mix]
+        m1, m2 = fit_relative([[q["batch"], q["total_context"]] for q in mix], _s(mix), chunk)
+        model = replace(model, m1=m1, m2=m2)
     predicted = {
-        "prefill": [model.prefill_s(q["tokens"], q["cached_tokens"]) for q in pre],
+        "prefill": [model.batch_s([(q["tokens"], q["cached_tokens"])] * q["prompts"], 0, 0) for q in pre],
         "decode": [model.decode_s(q["batch"], q["total_context"]) for q in dec],
         "mixed": [model.mixed_s(q["prompt_tokens"], q["cached_tokens"], q["batch"], q["total_context"]) for q in mix],
         "handoff": [model.handoff_s(q["bytes"]) for q in hand],
     }
     values = {
-        "prefill": dict(zip(("p0", "p1", "p2"), p)),
+        "prefill": dict(zip(("p0", "p1", "p2", "p3"), p)),
         "decode": dict(zip(("d0", "d1", "d2"), d)),
-        "mixed": {"fixed_s": model.mixed_fixed_s},
+        "mixed": {"m1": model.m1, "m2": model.m2},
         "handoff": {"h0": h0, "h1": model.h1 if math.isfinite(model.h1) else None},
     }
     return {
@@ -181,6 +206,16 @@ def fit_profile(points: dict) -> dict:
         }
         for s in SECTIONS
     }
+
+
+def _n(q: dict) -> int:
+    """Prompt tokens of a prefill point's step, all its prompts together."""
+    return q["prompts"] * q["tokens"]
+
+
+def _pairs(q: dict) -> float:
+    """Query-key pairs of one prompt of a prefill point: ``n*(n/2 + c)``."""
+    return q["tokens"] * (q["tokens"] / 2 + q["cached_tokens"])
 
 
 def _s(rows: list[dict]) -> list[float]:

@@ -21,8 +21,9 @@ def fit(**values):
 def profile(prefill_s: float, decode_s: float) -> dict:
     """A free hand-off; prefill takes ``prefill_s`` a prompt token, decode ``decode_s`` a row."""
     p = toy_profile()
-    p["fits"]["prefill"] = fit(p0=1e-3, p1=prefill_s, p2=0.0)
+    p["fits"]["prefill"] = fit(p0=1e-3, p1=prefill_s, p2=0.0, p3=0.0)
     p["fits"]["decode"] = fit(d0=1e-3, d1=decode_s, d2=0.0)
+    p["fits"]["mixed"] = fit(m1=decode_s, m2=0.0)  # a decode row beside a prompt costs as in a decode step
     p["fits"]["handoff"] = fit(h0=0.0, h1=1e15)
     return p
 

@@ -23,7 +23,7 @@ MACHINE_KEYS = {
     "attention_backend", "model", "model_fingerprint", "date_utc",
 }  # fmt: skip
 POINT_KEYS = {
-    "prefill": {"tokens", "cached_tokens", "seconds", "samples_s"},
+    "prefill": {"prompts", "tokens", "cached_tokens", "seconds", "samples_s"},
     "decode": {"batch", "context", "total_context", "seconds", "samples_s"},
     "mixed": {"prompt_tokens", "cached_tokens", "batch", "total_context", "seconds", "samples_s"},
     "handoff": {"tokens", "bytes", "read_s", "encode_s", "push_s", "seconds", "samples_s"},
@@ -77,8 +77,13 @@ def test_the_json_has_every_section_with_its_keys_and_units(profiled, embedded_d
 def test_the_points_are_the_quick_grid_and_the_cache_really_hit(profiled, embedded_dir):
     _, p = profiled
     pre = p["points"]["prefill"]
-    assert [q["tokens"] for q in pre if q["cached_tokens"] == 0] == list(QUICK.prefill_tokens)
+    assert [q["tokens"] for q in pre if q["cached_tokens"] == 0 and q["prompts"] == 1] == list(QUICK.prefill_tokens)
     assert {(q["tokens"], q["cached_tokens"]) for q in pre if q["cached_tokens"]} == {(16, 64), (64, 64)}
+    assert [(q["prompts"], q["tokens"]) for q in pre if q["prompts"] > 1] == [(4, 16)]  # 4 prompts in one step
+    mixed = p["points"]["mixed"]
+    assert [(q["prompt_tokens"], q["batch"]) for q in mixed] == [(32, 2), (128, 2)] * 2
+    assert [round(q["total_context"] / q["batch"]) for q in mixed] == [34, 34, 130, 130]  # two decode contexts
+    assert p["settings"]["mixed_context_tokens"] == list(QUICK.mixed_contexts)
     dec = p["points"]["decode"]
     assert sorted(q["batch"] for q in dec) == [1, 1, 4, 4]
     assert sorted(round(q["context"]) for q in dec) == [34, 34, 130, 130]  # L + its first token + one step
@@ -96,7 +101,7 @@ def test_the_fit_reproduces_its_points(profiled):
     model = StepModel.from_profile(p)
     pts = p["points"]
     predicted = {
-        "prefill": [model.prefill_s(q["tokens"], q["cached_tokens"]) for q in pts["prefill"]],
+        "prefill": [model.batch_s([(q["tokens"], q["cached_tokens"])] * q["prompts"], 0, 0) for q in pts["prefill"]],
         "decode": [model.decode_s(q["batch"], q["total_context"]) for q in pts["decode"]],
         "mixed": [model.mixed_s(q["prompt_tokens"], 0, q["batch"], q["total_context"]) for q in pts["mixed"]],
         "handoff": [model.handoff_s(q["bytes"]) for q in pts["handoff"]],
@@ -117,12 +122,13 @@ def test_the_fit_reproduces_its_points(profiled):
 def test_more_work_is_never_predicted_faster(profiled):
     _, p = profiled
     m = StepModel.from_profile(p)
-    assert min(m.p0, m.p1, m.p2, m.d0, m.d1, m.d2, m.h0, m.h1) >= 0
+    assert min(m.p0, m.p1, m.p2, m.p3, m.d0, m.d1, m.d2, m.m1, m.m2, m.h0, m.h1) >= 0
     sizes = [0, 1, 16, 128, 1024, 2048]
     for a, b in zip(sizes, sizes[1:]):
         assert m.prefill_s(a) <= m.prefill_s(b) and m.prefill_s(64, a) <= m.prefill_s(64, b)
         assert m.decode_s(a, 256) <= m.decode_s(b, 256) and m.decode_s(8, a) <= m.decode_s(8, b)
         assert m.mixed_s(a, 0, 4, 512) <= m.mixed_s(b, 0, 4, 512) <= m.mixed_s(b, 0, 8, 1024)
+        assert m.batch_s([(16, 0)] * (a + 1), 4, 512) <= m.batch_s([(16, 0)] * (b + 1), 4, 512)
         assert m.handoff_s(a * 2**20) <= m.handoff_s(b * 2**20)
 
 

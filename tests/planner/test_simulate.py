@@ -19,7 +19,7 @@ from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import SLO, summarize
 from pdserve.loadgen.workload import RequestSpec
 from pdserve.planner.simulate import SimConfig, Simulator
-from pdserve.planner.step_model import StepModel
+from pdserve.planner.step_model import SCHEMA, StepModel
 from pdserve.planner.virtual_runner import batch_shape
 
 BENCH_EXTRA_KEYS = {
@@ -43,14 +43,14 @@ def toy_profile(h0: float = 0.05) -> dict:
         return {"coefficients": {k: {"value": v, "unit": "s"} for k, v in values.items()}}
 
     return {
-        "schema": 1,
+        "schema": SCHEMA,
         "machine": {"dtype": "float32"},
         "settings": {"model_spec": "embedded"},
         "points": {},
         "fits": {
-            "prefill": fit(p0=0.01, p1=1e-4, p2=1e-8),
+            "prefill": fit(p0=0.01, p1=1e-4, p2=1e-8, p3=0.0),
             "decode": fit(d0=0.005, d1=2e-4, d2=1e-7),
-            "mixed": fit(fixed_s=0.005),
+            "mixed": fit(m1=2e-4, m2=1e-7),
             "handoff": fit(h0=h0, h1=1e9),
         },
     }
