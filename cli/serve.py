@@ -15,10 +15,11 @@ import socket
 import sys
 
 from pdserve.cluster.flags import add_role_resource_args
-from pdserve.worker.flags import add_engine_args, non_negative_int, port, positive_int
+from pdserve.worker.flags import add_engine_args, non_negative_int, port, positive_float, positive_int
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_SLO_ITL_MS = 40.0  # as cluster/config.py (not imported here: the parser stays light)
 
 
 def _cluster_config(args):
@@ -26,11 +27,12 @@ def _cluster_config(args):
     from pdserve.rpc.auth import API_KEY_ENV, parse_api_keys
     from pdserve.worker.flags import engine_config_from_args
 
+    num_prefill, num_decode = _first_roles(args)
     return ClusterConfig(
         engine=engine_config_from_args(args, device="cpu"),
         placement=args.placement,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        num_prefill=num_prefill,
+        num_decode=num_decode,
         cpus_per_worker=args.cpus_per_worker,
         router_host=args.host,
         router_port=args.port,
@@ -48,7 +50,30 @@ def _cluster_config(args):
         tls=_tls_files(args),
         routing=args.routing,
         local_prefill_tokens=args.local_prefill_tokens,
+        local_prefill_policy=args.local_prefill_policy,
+        slo_itl_ms=args.slo_itl_ms,
     )
+
+
+def _first_roles(args) -> tuple[int, int]:
+    """--prefill/--decode, or for --placement auto with --plan, the plan's best roles (over
+    --prefill + --decode workers when either is given, else the plan's count). ValueError for a
+    --plan without auto, or an unreadable plan."""
+    if args.plan is None:
+        return (1 if args.prefill is None else args.prefill), (1 if args.decode is None else args.decode)
+    if args.placement != "auto":
+        raise ValueError("--plan sets the first roles of --placement auto; add --placement auto")
+    import json
+
+    from pdserve.planner.plan import first_roles
+
+    try:
+        with open(args.plan) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--plan {args.plan}: {exc}") from None
+    given = (args.prefill or 0) + (args.decode or 0) or None
+    return first_roles(doc, given)
 
 
 def _tls_files(args) -> tuple[str, str] | None:
@@ -78,10 +103,22 @@ def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
 
 def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
     add_engine_args(p)
-    p.add_argument("--placement", choices=["split", "colocated"], default="split")
-    p.add_argument("--prefill", type=positive_int, default=1, help="prefill workers (split)")
     p.add_argument(
-        "--decode", type=positive_int, default=1, help="decode workers (split); colocated runs prefill+decode workers"
+        "--placement",
+        choices=["split", "colocated", "auto"],
+        default="split",
+        help="auto: switchable workers whose roles the router changes as the load does (docs/architecture.md)",
+    )
+    p.add_argument("--prefill", type=non_negative_int, default=None, help="prefill workers (default 1; auto: may be 0)")
+    p.add_argument(
+        "--decode", type=positive_int, default=None, help="decode workers (default 1); colocated runs prefill+decode"
+    )
+    p.add_argument("--plan", default=None, help="auto: take the first roles from this plan.json (pdserve plan)")
+    p.add_argument(
+        "--slo-itl-ms",
+        type=positive_float,
+        default=DEFAULT_SLO_ITL_MS,
+        help="auto: the inter-token latency target role switching keeps (ms)",
     )
     p.add_argument(
         "--cpus-per-worker", type=positive_int, default=1, help="CPUs (and torch threads) per worker without GPUs"
@@ -94,9 +131,10 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
-    """--routing and --local-prefill-tokens (docs/architecture.md: "Prefix-aware routing", "Conditional
-    disaggregation")."""
+    """--routing, --local-prefill-tokens and --local-prefill-policy (docs/architecture.md:
+    "Prefix-aware routing", "Conditional disaggregation")."""
     from pdserve.cluster.config import DEFAULT_LOCAL_PREFILL_TOKENS
+    from pdserve.router.local_prefill import DEFAULT_LOCAL_PREFILL_POLICY, LOCAL_PREFILL_POLICIES
     from pdserve.router.pool import ROUTING_POLICIES
 
     p.add_argument(
@@ -111,7 +149,14 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=DEFAULT_LOCAL_PREFILL_TOKENS,
         help="split: the decode worker prefills a request itself when at most this many prompt tokens "
-        "are not in its prefix cache (no KV moves); 0 = always split",
+        "are not in its prefix cache (no KV moves); 0 = only when the policy's load rule says so",
+    )
+    p.add_argument(
+        "--local-prefill-policy",
+        choices=LOCAL_PREFILL_POLICIES,
+        default=DEFAULT_LOCAL_PREFILL_POLICY,
+        help="prefix: only the rule above; load-aware: also when every prefill worker is behind and the "
+        "decode worker has room",
     )
 
 

@@ -23,8 +23,8 @@ def add_simulate_parser(sub) -> None:
         "whose steps take the profile's predicted time, routed by the router's own policies.",
     )
     p.add_argument("--profile", required=True, help="profile JSON written by pdserve profile")
-    p.add_argument("--placement", choices=["split", "colocated"], default="split")
-    p.add_argument("--prefill", type=positive_int, default=1, help="prefill workers (split)")
+    p.add_argument("--placement", choices=["split", "colocated", "auto"], default="split")
+    p.add_argument("--prefill", type=non_negative_int, default=1, help="prefill workers (split; auto: first roles)")
     p.add_argument(
         "--decode", type=positive_int, default=1, help="decode workers (split); colocated runs prefill+decode workers"
     )
@@ -36,6 +36,7 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     add_routing_args(p)
     p.add_argument("--relay-ms", type=non_negative_float, default=0.0, help="router relay of each token, ms")
+    p.add_argument("--slo-itl-ms", type=positive_float, default=40.0, help="auto: the ITL target of role switching")
     p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s")
     p.add_argument("--out", default=f"sim_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
     add_workload_args(p)
@@ -97,6 +98,8 @@ def cmd_simulate(args) -> int:
     note = fall_back_without_datasets(args)
     if note:
         print(note, flush=True)
+    if args.prefill == 0 and args.placement != "auto":
+        raise ValueError("--prefill 0 needs --placement auto (its decode workers then prefill themselves)")
     cfg = SimConfig(
         engine,
         args.placement,
@@ -106,6 +109,8 @@ def cmd_simulate(args) -> int:
         args.local_prefill_tokens,
         args.max_requests_per_worker,
         args.relay_ms / 1e3,
+        args.local_prefill_policy,
+        args.slo_itl_ms / 1e3,
     )
     try:
         sim = Simulator(cfg, model, dtype)
@@ -132,6 +137,9 @@ def cmd_simulate(args) -> int:
         target=args.profile,
         prefix_cache=prefix_cache,
     )
+    if sim.roles is not None:
+        summary["role_switches"] = [vars(s) for s in sim.roles.switches]
+        print(f"role switches: {len(sim.roles.switches)}", *(f"  {vars(s)}" for s in sim.roles.switches), sep="\n")
     write_results(out, records, summary)
     rate = f"{args.rate:g} req/s" if args.rate else "the trace's own rate"
     print_summary(summary, f"simulated {args.placement} @ {rate}", first_errors(records))

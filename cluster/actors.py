@@ -23,7 +23,7 @@ def _set_secret(secret: str | None) -> None:
 
 @ray.remote
 class WorkerActor:
-    """One worker process; its role is fixed by ``start``."""
+    """One worker process; its role (or first role, when switchable) is given to ``start``."""
 
     def __init__(self) -> None:
         self.running = None
@@ -37,18 +37,31 @@ class WorkerActor:
         return os.getpid()
 
     async def start(
-        self, role: str, engine_cfg, bind_host: str, cpus: list[int] | None = None, secret: str | None = None
+        self,
+        role: str,
+        engine_cfg,
+        bind_host: str,
+        cpus: list[int] | None = None,
+        secret: str | None = None,
+        switchable: bool = False,
     ) -> str:
         """Build the engine, serve the role's gRPC services; returns the advertised "host:port".
 
         ``cpus``: pin this process (and the engine and torch threads it starts) to these CPU ids.
-        ``secret``: the cluster secret every internal call must carry (auth.SECRET_ENV)."""
+        ``secret``: the cluster secret every internal call must carry (auth.SECRET_ENV).
+        ``switchable``: a switchable worker (``pdserve.switchable_worker``) starting as ``role``."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _set_secret(secret)
         if cpus:
             os.sched_setaffinity(0, cpus)
             logging.getLogger(__name__).info("%s worker pinned to CPUs %s", role, cpus)
-        if role == "prefill":
+        if switchable:
+            from functools import partial
+
+            from pdserve.switchable_worker.worker import serve
+
+            serve = partial(serve, role=role)
+        elif role == "prefill":
             from pdserve.prefill_worker.worker import serve
         elif role == "decode":
             from pdserve.decode_worker.worker import serve
@@ -82,37 +95,16 @@ class RouterActor:
         colocated: list[str],
         bind_host: str,
         port: int,
-        max_model_len: int | None,
-        http_port: int | None = None,
-        model_name: str | None = None,
-        api_keys: tuple[str, ...] = (),
         secret: str | None = None,
-        max_requests_per_worker: int = 0,
-        tls: tuple[str, str] | None = None,
-        routing: str = "prefix-aware",
-        local_prefill_tokens: int = 0,
+        **options,
     ) -> tuple[str, str | None]:
-        """Serve; returns the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
+        """Serve (``options``: the keyword arguments of ``pdserve.router.grpc_api.serve``); returns
+        the advertised gRPC "host:port" and the HTTP one (None without HTTP)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _set_secret(secret)
         from pdserve.router.grpc_api import serve
 
-        self.running = r = await serve(
-            model_dir,
-            prefill,
-            decode,
-            colocated,
-            bind_host,
-            port,
-            max_model_len,
-            http_port=http_port,
-            model_name=model_name,
-            api_keys=api_keys,
-            max_requests_per_worker=max_requests_per_worker,
-            tls=tls,
-            routing=routing,
-            local_prefill_tokens=local_prefill_tokens,
-        )
+        self.running = r = await serve(model_dir, prefill, decode, colocated, bind_host, port, **options)
         host = _advertised_host(bind_host)
         http = f"{host}:{r.http_address.rsplit(':', 1)[1]}" if r.http_address else None
         return f"{host}:{r.address.rsplit(':', 1)[1]}", http

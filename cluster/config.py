@@ -6,14 +6,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
+from pdserve.router.local_prefill import DEFAULT_LOCAL_PREFILL_POLICY, LOCAL_PREFILL_POLICIES
 
-PLACEMENTS = ("split", "colocated")
+PLACEMENTS = ("split", "colocated", "auto")
 
 
 # Split placement prefills on the decode worker when at most this many prompt tokens are not in
 # its prefix cache (benchmarks/local_prefill.py: up to 32, a decode-side prefill adds less than a
 # decode step to its neighbours' inter-token gaps).
 DEFAULT_LOCAL_PREFILL_TOKENS = 32
+DEFAULT_SLO_ITL_MS = 40.0  # auto placement's inter-token latency target: W2's TPOT SLO (docs/benchmarking.md)
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,11 @@ class ClusterConfig:
     (one GPU each when GPUs exist; otherwise ``cpus_per_worker`` CPUs and as many torch threads).
     colocated: ``num_prefill + num_decode`` workers of role "colocated" with the same per-worker resources,
     so both placements use the same total hardware.
+    auto: ``num_prefill + num_decode`` switchable workers starting in those roles (``num_prefill`` may
+    be 0: every worker then prefills its own requests), whose roles the router switches at run time
+    (router/role_switch.py) against ``slo_itl_ms``, the inter-token latency target.
+    ``local_prefill_tokens`` and ``local_prefill_policy``: when split or auto placement prefills on
+    the decode worker (router/local_prefill.py).
     ``device`` None picks GPUs when the Ray cluster has one per worker, else CPUs; "cuda" or "cpu"
     forces it (``start_cluster`` refuses "cuda" without enough GPUs).
     ``ray_address`` None starts a local Ray instance; otherwise joins that cluster.
@@ -46,6 +53,8 @@ class ClusterConfig:
     decode_resource: str | None = None
     routing: str = "prefix-aware"  # or "least-loaded" (router/pool.py)
     local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS  # split: prefill on decode at most this many uncached
+    local_prefill_policy: str = DEFAULT_LOCAL_PREFILL_POLICY
+    slo_itl_ms: float = DEFAULT_SLO_ITL_MS
     router_host: str = "127.0.0.1"
     router_port: int = 50051
     http_port: int | None = None
@@ -69,8 +78,17 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("need at least one prefill and one decode worker (colocated uses their sum)")
+        if self.num_decode < 1 or self.num_prefill < (0 if self.placement == "auto" else 1):
+            raise ValueError(
+                "need at least one prefill and one decode worker (colocated uses their sum; auto may start "
+                "with no prefill worker)"
+            )
+        if self.local_prefill_policy not in LOCAL_PREFILL_POLICIES:
+            raise ValueError(
+                f"local_prefill_policy must be one of {LOCAL_PREFILL_POLICIES}, got {self.local_prefill_policy!r}"
+            )
+        if not self.slo_itl_ms > 0:
+            raise ValueError(f"slo_itl_ms must be > 0, got {self.slo_itl_ms}")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
         if self.device not in (None, "cpu", "cuda"):

@@ -201,7 +201,10 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
         cpu_sets = cfg.cpu_sets(os.cpu_count() or 1) if pin else None
         # internal calls carry it, and it opens the router's admin view; strangers do not have it
         secret = cluster.secret = cluster_secret() or secrets.token_hex(32)
-        start_args = [(r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret) for i, r in enumerate(roles)]
+        switchable = cfg.placement == "auto"
+        start_args = [
+            (r, engine_cfg, bind, cpu_sets[i] if cpu_sets else None, secret, switchable) for i, r in enumerate(roles)
+        ]
         addresses = ray.get([a.start.remote(*args) for a, args in zip(actors, start_args)], timeout=START_TIMEOUT_S)
         cluster.workers = dict(zip(addresses, roles))
         by_role = {r: [a for a, rr in zip(addresses, roles) if rr == r] for r in ("prefill", "decode", "colocated")}
@@ -216,15 +219,17 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
                 by_role["colocated"],
                 router_bind,
                 cfg.router_port,
-                cfg.engine.max_model_len,
-                cfg.http_port,
-                model_name,
-                cfg.api_keys,
                 secret,
-                cfg.max_requests_per_worker,
-                cfg.tls,
-                cfg.routing,
-                cfg.local_prefill_tokens,
+                max_model_len=cfg.engine.max_model_len,
+                http_port=cfg.http_port,
+                model_name=model_name,
+                api_keys=cfg.api_keys,
+                max_requests_per_worker=cfg.max_requests_per_worker,
+                tls=cfg.tls,
+                routing=cfg.routing,
+                local_prefill_tokens=cfg.local_prefill_tokens,
+                local_prefill_policy=cfg.local_prefill_policy,
+                slo_itl_ms=cfg.slo_itl_ms if cfg.placement == "auto" else None,
             ),
             timeout=START_TIMEOUT_S,
         )

@@ -10,8 +10,7 @@ import asyncio
 
 from pdserve.engine.config import for_role
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.v1 import worker_pb2_grpc
-from pdserve.worker.colocated_service import ColocatedWorker
+from pdserve.worker.colocated_service import ColocatedWorker, colocated_service
 
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0):
@@ -20,6 +19,4 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0):
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "colocated"))
     worker = ColocatedWorker(engine)
-    return await serve_worker(
-        worker, worker_pb2_grpc.add_ColocatedServiceServicer_to_server, "pdserve.v1.ColocatedService", host, port
-    )
+    return await serve_worker(worker, [colocated_service(worker)], host, port)

@@ -38,17 +38,25 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 
     role = "decode"
 
-    def __init__(self, engine: LLMEngine, kv_timeout_s: float = 30.0, limits: KvLimits = KvLimits()) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        kv_timeout_s: float = 30.0,
+        limits: KvLimits = KvLimits(),
+        host: EngineHost | None = None,
+    ) -> None:
+        """``host``: an EngineHost shared with other services (a switchable worker); default: its own."""
         self.engine = engine
         self.kv_timeout_s = kv_timeout_s
         self.limits = limits
         self.kv_buffers = HostBuffers()  # tensors of admitted KV, reused by the next pushes
-        self.host = EngineHost(
-            engine,
-            extra_stats=lambda: {"num_awaiting_kv": sum(1 for f in list(self._pending.values()) if not f.done())},
-        )
+        self.host = host or EngineHost(engine, extra_stats=lambda: {"num_awaiting_kv": self.num_awaiting_kv()})
         self._pending: dict[str, asyncio.Future] = {}
         self._kv_transfer: dict[str, tuple[int, int, int]] = {}  # request id -> (ns, bytes, admission ns)
+
+    def num_awaiting_kv(self) -> int:
+        """Decode streams still waiting for their KV."""
+        return sum(1 for f in list(self._pending.values()) if not f.done())
 
     async def receive_kv(self, frame: Frame) -> None:
         """Unpack, check and admit a KV frame, one buffer or its received chunks (KvReceiver).
@@ -182,6 +190,11 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         return worker_pb2.PushKvResponse(received_bytes=decoder.received)
 
 
+def decode_service(worker: DecodeWorker) -> tuple:
+    """DecodeService on ``worker``, as ``serve_worker`` takes services."""
+    return (worker_pb2_grpc.add_DecodeServiceServicer_to_server, worker, "pdserve.v1.DecodeService")
+
+
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float = 30.0):
     """Build the engine (off the event loop) and serve DecodeService + WorkerService, and
     ColocatedService on the same engine for requests the router has it prefill itself
@@ -192,15 +205,8 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float
     from pdserve.worker.host import serve_worker
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "decode"))
-    from pdserve.worker.colocated_service import ColocatedWorker
+    from pdserve.worker.colocated_service import ColocatedWorker, colocated_service
 
     worker = DecodeWorker(engine, kv_timeout_s)
     local = ColocatedWorker(engine, worker.host)
-    return await serve_worker(
-        worker,
-        worker_pb2_grpc.add_DecodeServiceServicer_to_server,
-        "pdserve.v1.DecodeService",
-        host,
-        port,
-        ((worker_pb2_grpc.add_ColocatedServiceServicer_to_server, local, "pdserve.v1.ColocatedService"),),
-    )
+    return await serve_worker(worker, [decode_service(worker), colocated_service(local)], host, port)

@@ -116,6 +116,15 @@ DEFAULT_TARGET_ITL_MS = {"colocated": 200.0}
 UNCHUNKED_TOKEN_BUDGET = 4096
 
 
+def describe_scheduling(cfg: EngineConfig) -> str:
+    """One line saying how ``cfg`` schedules steps (logged when an engine starts)."""
+    if not cfg.enable_chunked_prefill:
+        return f"prefill-first, up to {cfg.token_budget} prompt tokens a prefill step"
+    if cfg.target_itl_ms is None:
+        return f"chunked prefill, {cfg.token_budget} tokens a step"
+    return f"chunked prefill, chunks sized to {cfg.target_itl_ms:g} ms steps, at most {cfg.token_budget} tokens a step"
+
+
 def for_role(cfg: EngineConfig, role: str) -> EngineConfig:
     """``cfg`` with ``role``'s defaults where it sets none: without chunked prefill, a batch of
     whole prompts up to ``UNCHUNKED_TOKEN_BUDGET`` tokens; with it, ``DEFAULT_TOKEN_BUDGET[role]`` and,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, describe_scheduling
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import config_hash, resolve_model_dir, weights_hash
@@ -69,6 +69,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(self.model_dir)
         self.runner = (runner_factory or ModelRunner)(cfg, self.model_dir)
         self.clock = clock or time.monotonic_ns
+        self.prefill_busy_ns = self.decode_busy_ns = 0  # in steps with a prompt chunk / decode-only steps
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -78,16 +79,7 @@ class LLMEngine:
             cfg.enable_chunked_prefill,
             None if cfg.target_itl_ms is None else cfg.target_itl_ms / 1e3,
         )
-        if not cfg.enable_chunked_prefill:
-            log.info("scheduling: prefill-first, up to %d prompt tokens a prefill step", cfg.token_budget)
-        elif cfg.target_itl_ms is None:
-            log.info("scheduling: chunked prefill, %d tokens a step", cfg.token_budget)
-        else:
-            log.info(
-                "scheduling: chunked prefill, chunks sized to %g ms steps, at most %d tokens a step",
-                cfg.target_itl_ms,
-                cfg.token_budget,
-            )
+        log.info("scheduling: %s", describe_scheduling(cfg))
         self.eos_token_ids = self.tokenizer.eos_token_ids  # tokenizer, config.json and generation_config
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > max_pos:
@@ -261,6 +253,10 @@ class LLMEngine:
             raise StepError(exc, batch.seqs) from exc
         done = self.clock()
         self.scheduler.observe_step(batch, (done - now) / 1e9)
+        if batch.is_prefill:
+            self.prefill_busy_ns += done - now
+        else:
+            self.decode_busy_ns += done - now
         outputs = []
         for c in self.scheduler.complete(batch, tokens):
             if c.token is None:
@@ -278,11 +274,8 @@ class LLMEngine:
         return [s.output_token_ids for s in seqs]
 
     def stats(self) -> dict[str, int]:
-        """Queue lengths and KV block occupancy.
-
-        Safe to call from any thread while the engine steps (reads snapshots, never waits for a
-        step), so load reports stay fast during long prefills; the values may be one step old.
-        """
+        """Queue lengths, KV block occupancy and busy time (ns). Safe from any thread while the engine
+        steps (reads snapshots, never waits for a step); the values may be one step old."""
         s = self.scheduler
         waiting = list(s.waiting)  # atomic copy under the GIL
         return {
@@ -296,4 +289,6 @@ class LLMEngine:
             "cached_kv_blocks": self.blocks.num_cached,
             "prefix_query_tokens": s.num_prompt_tokens_admitted,
             "prefix_hit_tokens": s.num_cached_tokens_admitted,
+            "prefill_busy_ns": self.prefill_busy_ns,
+            "decode_busy_ns": self.decode_busy_ns,
         }

@@ -201,3 +201,22 @@ def workers_of(row: dict, units: int) -> dict:
     if row["placement"] == "colocated":
         return {"colocated": units}
     return {"prefill": row["num_prefill"] * units, "decode": row["num_decode"] * units}
+
+
+def first_roles(doc: dict, num_workers: int | None = None) -> tuple[int, int]:
+    """(prefill, decode) workers an auto placement starts with, from a plan.json document (``pdserve
+    plan``): its best candidate's roles, a colocated worker counted as a decode worker that prefills
+    its own requests, and any worker the plan leaves idle as decode. ``num_workers`` (default: the
+    plan's) scales the best unit to another cluster size. ValueError for a document that is not a
+    plan or a size below the unit."""
+    try:
+        best, planned = doc["best"], int(doc["workers"])
+        placement, unit = best["placement"], int(best["unit"])
+        p, d = (0, 1) if placement == "colocated" else (int(best["num_prefill"]), int(best["num_decode"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a plan written by pdserve plan (missing or bad {exc})") from None
+    n = num_workers or planned
+    if n < unit:
+        raise ValueError(f"the plan's best unit {best.get('label', placement)!r} needs {unit} workers, not {n}")
+    units = n // unit
+    return p * units, n - p * units

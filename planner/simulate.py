@@ -1,7 +1,9 @@
 """A discrete-event simulation of a pdserve cluster on a virtual clock, running pdserve's own
 scheduling code: each worker is a real ``LLMEngine`` on a ``VirtualRunner`` (its steps take the
-profile's predicted time), routing is ``WorkerPool``'s policies on handles without channels, and the
-split backend's local-prefill rule decides which requests the decode worker prefills itself.
+profile's predicted time), routing is ``WorkerPool``'s policies on handles without channels, the
+router's local-prefill rule (``local_prefill_reason``) decides which requests the decode worker
+prefills itself, and with ``placement="auto"`` the router's ``RoleRebalancer`` switches the
+switchable workers' roles (planner/sim_roles.py).
 
 Events (a heap of virtual times): arrivals at their send times; a worker's step, which runs
 ``LLMEngine.step`` and ends after the predicted time, its tokens then relayed (``relay_s``); a KV
@@ -24,10 +26,12 @@ from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.prefix_cache import WorkerPrefixCounters
 from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.sim_roles import SimRoles
 from pdserve.planner.step_model import StepModel
 from pdserve.planner.virtual_runner import VirtualClock, VirtualRunner
+from pdserve.router.local_prefill import LocalPrefill, local_prefill_reason
 from pdserve.router.pool import STATS_INTERVAL_S, Overloaded, WorkerHandle, WorkerPool
-from pdserve.router.split_backend import KV_TIMEOUT_S, prefills_on_decode
+from pdserve.router.split_backend import KV_TIMEOUT_S
 
 ARRIVE, STEP, KV = 0, 1, 2
 
@@ -35,9 +39,9 @@ ARRIVE, STEP, KV = 0, 1, 2
 @dataclass(frozen=True)
 class SimConfig:
     """A cluster as ``pdserve serve`` would start it: ``engine`` before the roles' defaults
-    (``for_role``), worker counts (colocated: ``num_prefill + num_decode`` workers), routing,
-    the local-prefill threshold (tokens), the request bound per worker and the router's relay of
-    each token to the client (seconds)."""
+    (``for_role``), worker counts (colocated: ``num_prefill + num_decode`` workers; auto: the first
+    roles), routing, the local-prefill rule (tokens, policy), the request bound per worker, the
+    router's relay of each token to the client (seconds) and auto's ITL target (seconds)."""
 
     engine: EngineConfig
     placement: str = "split"
@@ -47,21 +51,25 @@ class SimConfig:
     local_prefill_tokens: int = 0
     max_requests_per_worker: int = 0
     relay_s: float = 0.0
+    local_prefill_policy: str = "prefix"
+    slo_itl_s: float | None = None
 
 
 class SimWorker:
     """One simulated worker: its engine on a virtual runner and clock, and the router's handle."""
 
-    def __init__(self, role: str, index: int, cfg: EngineConfig, model: StepModel, dtype: str) -> None:
+    def __init__(
+        self, role: str, index: int, cfg: EngineConfig, model: StepModel, dtype: str, switchable: bool = False
+    ) -> None:
         self.role, self.clock = role, VirtualClock()
         self.engine = LLMEngine(
-            for_role(cfg, role),
+            for_role(cfg, "decode" if switchable else role),
             lambda c, d: VirtualRunner(c, d, model, dtype, self.clock),
             self.clock.ns,
         )
         eos = self.engine.eos_token_ids
         self.engine.runner.token = next(t for t in itertools.count() if t not in eos)
-        self.handle = WorkerHandle(role, f"{role}-{index}", None)
+        self.handle = WorkerHandle(role, f"{role}-{index}", None, switchable=switchable)
         self.busy = False
         self.outputs: list[StepOutput] = []  # of the step under way, handled when it ends
         self.awaiting_kv = 0  # requests routed here whose KV has not been admitted
@@ -90,7 +98,8 @@ class Simulator:
             if cfg.placement == "colocated"
             else [("prefill", cfg.num_prefill), ("decode", cfg.num_decode)]
         )
-        self.workers = [SimWorker(r, i, cfg.engine, model, dtype) for r, k in roles for i in range(k)]
+        auto = cfg.placement == "auto"
+        self.workers = [SimWorker(r, i, cfg.engine, model, dtype, auto) for r, k in roles for i in range(k)]
         self.by_address = {w.handle.address: w for w in self.workers}
         self.pool = WorkerPool([], [], [], cfg.max_requests_per_worker, cfg.routing)
         self.pool.workers = [w.handle for w in self.workers]
@@ -100,6 +109,8 @@ class Simulator:
         self._seq = itertools.count()
         self._next_poll = 0.0
         self.requests: dict[str, _Request] = {}
+        self.local_prefill = LocalPrefill(cfg.local_prefill_tokens, cfg.local_prefill_policy)
+        self.roles = SimRoles(self, cfg.slo_itl_s) if auto else None
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:
@@ -138,6 +149,9 @@ class Simulator:
                 s["model_fingerprint"],
                 s["cached_kv_blocks"],
             )
+            h.prefill_busy_ns, h.decode_busy_ns = s["prefill_busy_ns"], s["decode_busy_ns"]
+        if self.roles is not None:
+            self.roles.tick(t)
         self._next_poll = (math.floor(t / STATS_INTERVAL_S) + 1) * STATS_INTERVAL_S
 
     def _wake(self, w: SimWorker, t: float) -> None:
@@ -179,7 +193,7 @@ class Simulator:
                 r.worker = self.by_address[pool.pick_colocated(n, hashes).address]
             else:
                 r.decode = self.by_address[pool.pick_decode(n, hashes).address]
-                if prefills_on_decode(pool, r.decode.handle, n, hashes, self.cfg.local_prefill_tokens):
+                if local_prefill_reason(pool, r.decode.handle, n, hashes, self.local_prefill) is not None:
                     r.worker, r.decode, rec.prefilled_on_decode = r.decode, None, True
                 else:
                     r.worker = self.by_address[pool.pick_prefill(n, hashes).address]
@@ -202,6 +216,8 @@ class Simulator:
 
     def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
         seq, r = out.seq, self.requests[out.seq.request_id]
+        if self.roles is not None and r.rec.token_times_s:
+            self.roles.rebalancer.observe_itl(int((t + self.cfg.relay_s - r.rec.token_times_s[-1]) * 1e9))
         r.rec.token_times_s.append(t + self.cfg.relay_s)
         r.output.append(out.token)
         if out.prefill and len(r.rec.token_times_s) == 1:  # a recompute after preemption is no first token
@@ -210,7 +226,7 @@ class Simulator:
             r.rec.prefill_s = (seq.prefill_end_ns - seq.prefill_start_ns) / 1e9
             r.rec.cached_prompt_tokens = seq.num_cached_tokens
             r.prefill_end_s = t
-        if w.role == "prefill":
+        if r.decode is not None and w is r.worker:  # a prefill for another worker: hand the KV off
             w.handle.active_requests -= 1
             if seq.is_finished:  # one token only: nothing to hand off
                 r.decode.awaiting_kv -= 1

@@ -44,15 +44,18 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
 
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, kv_sender: KvSender) -> None:
+    def __init__(self, engine: LLMEngine, kv_sender: KvSender, host: EngineHost | None = None) -> None:
+        """``host``: an EngineHost shared with other services (a switchable worker), whose outputs
+        callback hands this one the outputs of ``request_ids``; default: its own."""
         self.engine = engine
         self.kv_sender = kv_sender
         self.kv_buffers = HostBuffers()
-        self.host = EngineHost(engine, self._on_outputs)
+        self.host = host or EngineHost(engine, self.on_outputs)
+        self.request_ids: set[str] = set()  # Prefill calls under way
         self._kv_skip: dict[str, int] = {}  # request id -> prompt tokens its decode worker holds
         self._pushes: set[asyncio.Task] = set()
 
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
+    def on_outputs(self, outputs: list[StepOutput]) -> None:  # engine thread
         wall = time.time_ns()
         for out in outputs:
             seq = out.seq
@@ -80,6 +83,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         rid = request.request_id
         if request.kv_skip_tokens:
             self._kv_skip[rid] = request.kv_skip_tokens  # read on the engine thread when the prefill ends
+        self.request_ids.add(rid)
         try:
             q = await admit_prompt(self.host, request, context)
             done = await q.get()
@@ -87,6 +91,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             await abort_quietly(self.host.loop, rid)
             raise
         finally:
+            self.request_ids.discard(rid)
             self._kv_skip.pop(rid, None)
             self.host.streams.close(rid)
         if isinstance(done, ErrorEvent):
@@ -130,6 +135,11 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         return None
 
 
+def prefill_service(worker: PrefillWorker) -> tuple:
+    """PrefillService on ``worker``, as ``serve_worker`` takes services."""
+    return (worker_pb2_grpc.add_PrefillServiceServicer_to_server, worker, "pdserve.v1.PrefillService")
+
+
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
     """Build the engine (off the event loop) and serve PrefillService + WorkerService.
 
@@ -140,6 +150,4 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "prefill"))
     worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
-    return await serve_worker(
-        worker, worker_pb2_grpc.add_PrefillServiceServicer_to_server, "pdserve.v1.PrefillService", host, port
-    )
+    return await serve_worker(worker, [prefill_service(worker)], host, port)

@@ -16,8 +16,11 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.text.detokenizer import IncrementalDetokenizer
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.router.backends import ColocatedBackend, RequestState
+from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.pool import NoWorkerAvailable, Overloaded, WorkerPool
 from pdserve.router.prometheus import RouterMetrics
+from pdserve.router.role_balancer import RoleBalancer
+from pdserve.router.role_switch import RoleRebalancer
 from pdserve.router.split_backend import SplitBackend
 from pdserve.router.validation import InvalidRequest, sampling_defaults, validate
 from pdserve.rpc.auth import bearer, key_index
@@ -54,8 +57,10 @@ class Frontend:
     ``max_model_len`` is the smallest of the model's context, the configured limit and the tokens
     the smallest worker KV cache holds: every request must fit all three. ``model_name`` is the id
     clients see and send (default: the model folder's name; never a path).
-    ``local_prefill_tokens``: split placement prefills on the decode worker when at most this many
-    prompt tokens are not in its prefix cache (``SplitBackend``; 0: never).
+    ``local_prefill``: when a split (or auto) placement prefills on the decode worker
+    (router/local_prefill.py; None: never). With switchable workers (``--placement auto``) a
+    ``RoleRebalancer`` (router/role_switch.py) switches their roles as ``role_balancer`` (default
+    ``RoleBalancer()``) decides; it runs after each stats poll.
     ``stall_warn_s``: seconds a stream may go without a token (its first included) before
     ``watch_stalls`` logs it and counts it in ``pdserve:stream_stalls_total``.
     """
@@ -68,7 +73,8 @@ class Frontend:
         metrics: RouterMetrics | None = None,
         api_keys: tuple[str, ...] = (),
         model_name: str | None = None,
-        local_prefill_tokens: int = 0,
+        local_prefill: LocalPrefill | None = None,
+        role_balancer: RoleBalancer | None = None,
         stall_warn_s: float = STALL_WARN_S,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -85,7 +91,12 @@ class Frontend:
         self.backend = (
             ColocatedBackend(pool)
             if pool.placement == "colocated"
-            else SplitBackend(pool, self.metrics.migrations.inc, local_prefill_tokens)
+            else SplitBackend(pool, self.metrics.migrations.inc, local_prefill, self.metrics.local_prefilled)
+        )
+        self.rebalancer = (
+            RoleRebalancer(pool, role_balancer, on_switch=self.metrics.role_switched)
+            if pool.placement == "auto"
+            else None
         )
         self.api_keys = api_keys  # empty: no authentication
         self.shutting_down = False
@@ -171,6 +182,8 @@ class Frontend:
             async for ev in events:
                 now = time.monotonic_ns()
                 self.metrics.token_arrival(now - (last_ns or t0), first=last_ns is None)
+                if self.rebalancer is not None and last_ns is not None:
+                    self.rebalancer.observe_itl(now - last_ns)
                 if state.stalled:
                     state.stalled = False
                     log.warning(

@@ -13,7 +13,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from pdserve.router.frontend import Frontend, RequestRejected
+from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.pool import WorkerPool
+from pdserve.router.role_balancer import RoleBalancer
 from pdserve.rpc.auth import carries_cluster_secret, cluster_secret, require_api_key
 from pdserve.rpc.server import start_server
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -102,6 +104,8 @@ class RunningRouter:
             self.http.should_exit = True
             await asyncio.wait([self.http_task], timeout=grace_s + 2.0)
         await self.server.stop(grace_s)
+        if self.core.rebalancer is not None:
+            await self.core.rebalancer.stop()
         await self.core.pool.close()
 
 
@@ -146,6 +150,8 @@ async def serve(
     tls: tuple[str, str] | None = None,
     routing: str = "prefix-aware",
     local_prefill_tokens: int = 0,
+    local_prefill_policy: str = "prefix",
+    slo_itl_ms: float | None = None,
 ) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``colocated``) pool.
 
@@ -159,17 +165,24 @@ async def serve(
     (HTTP 429 with Retry-After); 0: no bound. ``tls``: (certificate chain file, private key file,
     both PEM) to serve both client-facing APIs over TLS (gRPC over TLS, HTTPS); internal calls stay
     on the cluster's own channels. OSError when a file cannot be read.
-    ``routing``: ``prefix-aware`` or ``least-loaded`` (``WorkerPool``); ``local_prefill_tokens``:
-    see ``Frontend``.
-    ValueError when the pool is neither split nor colocated; OSError when a port cannot be bound.
+    ``routing``: ``prefix-aware`` or ``least-loaded`` (``WorkerPool``); ``local_prefill_tokens``
+    and ``local_prefill_policy``: the local-prefill rule (``LocalPrefill``); ``slo_itl_ms``: the
+    inter-token latency target of an auto placement's role switching (``RoleBalancer.slo_itl_s``).
+    Switchable workers (``pdserve.switchable_worker``), given as ``prefill`` and ``decode`` in
+    their first roles (``prefill`` may be empty), make an auto placement whose roles change at run
+    time. ValueError when the pool is neither split, colocated nor auto, or the local-prefill rule
+    is invalid; OSError when a port cannot be bound.
     """
+    local_prefill = LocalPrefill(local_prefill_tokens, local_prefill_policy)
     if colocated and (prefill or decode):
         raise ValueError("give either prefill + decode workers (split) or colocated workers, not both")
-    if not colocated and not (prefill and decode):
+    if not colocated and not decode:
         raise ValueError("split placement needs at least one prefill and one decode worker")
     pool = WorkerPool(list(prefill), list(decode), list(colocated), max_requests_per_worker, routing)
     try:
         await pool.start()
+        if not colocated and not prefill and pool.placement != "auto":
+            raise ValueError("split placement needs at least one prefill and one decode worker")
     except BaseException:
         await pool.close()
         raise
@@ -179,7 +192,8 @@ async def serve(
         max_model_len,
         api_keys=tuple(api_keys),
         model_name=model_name,
-        local_prefill_tokens=local_prefill_tokens,
+        local_prefill=local_prefill,
+        role_balancer=RoleBalancer(slo_itl_s=slo_itl_ms / 1e3 if slo_itl_ms else None),
     )
     health_servicer = health.aio.HealthServicer()
     interceptors = (
@@ -196,6 +210,8 @@ async def serve(
     pool.on_refresh.append(_readiness(pool, health_servicer))
     await pool.on_refresh[-1]()
     pool.on_refresh.append(core.watch_stalls)
+    if core.rebalancer is not None:
+        pool.on_refresh.append(core.rebalancer.on_refresh)
     running = RunningRouter(core, server, f"{host}:{bound}")
     if http_port is not None:
         try:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from functools import cached_property
 
 import grpc
 
 from pdserve.engine.scheduling.prefix_hash import BlockHash, prefix_hashes
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.rpc.auth import internal_channel
-from pdserve.rpc.server import GRPC_OPTIONS
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.router.worker_handle import WorkerHandle
+from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.1
@@ -36,53 +33,6 @@ class Overloaded(RuntimeError):
     RESOURCE_EXHAUSTED, with a retry hint)."""
 
     retry_after_s = 1.0
-
-
-@dataclass
-class WorkerHandle:
-    """One worker: address, stubs and what the router knows of its load.
-
-    ``outstanding_prefill_tokens``: prompt tokens sent to it and not yet answered (router-side count).
-    ``free_kv_blocks``: from the last GetStats poll, minus blocks routed to it since; ``num_running``,
-    ``num_waiting`` (waiting for prefill or for KV) and ``used_kv_blocks``: from the last poll.
-    """
-
-    role: str
-    address: str
-    channel: grpc.aio.Channel = field(repr=False)
-    healthy: bool = True
-    failed_polls: int = 0
-    outstanding_prefill_tokens: int = 0
-    active_requests: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    block_size: int = 16
-    routed_blocks_since_poll: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    used_kv_blocks: int = 0
-    fingerprint: str = ""  # of the model it serves (WorkerStats.model_fingerprint)
-    cached_kv_blocks: int = -1  # from the last poll; 0 on a worker without prefix caching (-1: not polled yet)
-
-    @classmethod
-    def connect(cls, role: str, address: str) -> WorkerHandle:
-        return cls(role, address, internal_channel(address, GRPC_OPTIONS))
-
-    @cached_property
-    def prefill(self) -> worker_pb2_grpc.PrefillServiceStub:
-        return worker_pb2_grpc.PrefillServiceStub(self.channel)
-
-    @cached_property
-    def decode(self) -> worker_pb2_grpc.DecodeServiceStub:
-        return worker_pb2_grpc.DecodeServiceStub(self.channel)
-
-    @cached_property
-    def colocated(self) -> worker_pb2_grpc.ColocatedServiceStub:
-        return worker_pb2_grpc.ColocatedServiceStub(self.channel)
-
-    @cached_property
-    def admin(self) -> worker_pb2_grpc.WorkerServiceStub:
-        return worker_pb2_grpc.WorkerServiceStub(self.channel)
 
 
 class WorkerPool:
@@ -127,10 +77,17 @@ class WorkerPool:
 
     @property
     def placement(self) -> str:
+        """``colocated``, ``split``, or ``auto`` (switchable workers, whose roles may change)."""
+        if any(w.switchable for w in self.workers):
+            return "auto"
         return "colocated" if any(w.role == "colocated" for w in self.workers) else "split"
 
+    def routable(self, role: str) -> list[WorkerHandle]:
+        """Healthy workers of ``role`` that take new requests (not draining)."""
+        return [w for w in self.workers if w.role == role and w.healthy and not w.draining]
+
     def _candidates(self, role: str) -> list[WorkerHandle]:
-        ws = [w for w in self.workers if w.role == role and w.healthy]
+        ws = self.routable(role)
         if not ws:
             raise NoWorkerAvailable(f"no healthy {role} worker is available")
         return ws
@@ -144,8 +101,8 @@ class WorkerPool:
 
     def roles_without_healthy_worker(self) -> list[str]:
         """The roles this placement needs that have no healthy worker now ([] when ready)."""
-        needed = ("colocated",) if self.placement == "colocated" else ("prefill", "decode")
-        return [r for r in needed if not any(w.role == r and w.healthy for w in self.workers)]
+        needed = {"colocated": ("colocated",), "auto": ("decode",)}.get(self.placement, ("prefill", "decode"))
+        return [r for r in needed if not self.routable(r)]
 
     @property
     def block_size(self) -> int:
@@ -219,25 +176,11 @@ class WorkerPool:
             except grpc.aio.AioRpcError as exc:
                 w.failed_polls += 1
                 if w.healthy and w.failed_polls >= UNHEALTHY_AFTER_FAILURES:
-                    log.warning(
-                        "worker %s %s unhealthy after %d failed polls: %s",
-                        w.role,
-                        w.address,
-                        w.failed_polls,
-                        exc.code().name,
-                    )
+                    why = f"{w.failed_polls} failed polls: {exc.code().name}"
+                    log.warning("worker %s %s unhealthy after %s", w.role, w.address, why)
                     w.healthy = False
                 return
-            w.healthy, w.failed_polls = True, 0
-            w.free_kv_blocks, w.block_size, w.routed_blocks_since_poll = s.free_kv_blocks, s.block_size, 0
-            w.total_kv_blocks = s.free_kv_blocks + s.used_kv_blocks
-            w.num_running, w.num_waiting, w.used_kv_blocks = (
-                s.num_running,
-                s.num_waiting + s.num_awaiting_kv,
-                s.used_kv_blocks,
-            )
-            w.fingerprint = s.model_fingerprint
-            w.cached_kv_blocks = s.cached_kv_blocks
+            w.apply_stats(s)
 
         await asyncio.gather(*(one(w) for w in self.workers))
 

@@ -16,6 +16,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from pdserve.router.local_prefill import LOCAL_PREFILL_REASONS
 from pdserve.router.worker_gauges import WorkerGauges
 from pdserve.v1 import generate_pb2
 
@@ -120,6 +121,21 @@ class RouterMetrics:
             "Split placement: requests the decode worker prefilled itself (conditional disaggregation).",
             registry=r,
         )
+        self.local_prefills = Counter(
+            "pdserve:local_prefills",
+            "Split or auto placement: requests routed to prefill on their decode worker, by reason "
+            "(short: little of the prompt uncached there; prefill_busy: the prefill pool was behind "
+            "and the decode worker had room; no_prefill_worker: auto placement without a prefill "
+            "worker).",
+            ["reason"],
+            registry=r,
+        )
+        self.role_switches = Counter(
+            "pdserve:role_switches",
+            "Auto placement: switchable workers that changed role, by the role left and the role taken.",
+            ["from_role", "to_role"],
+            registry=r,
+        )
         self.cached_prompt_tokens = Counter(
             "pdserve:prompt_tokens_cached", "Prompt tokens whose KV came from a worker's prefix cache.", registry=r
         )
@@ -154,11 +170,23 @@ class RouterMetrics:
             self.rejections.labels(reason)
         for stage in WAIT_STAGES:
             self.wait.labels(stage)
+        for reason in LOCAL_PREFILL_REASONS:
+            self.local_prefills.labels(reason)
+        for a, b in (("prefill", "decode"), ("decode", "prefill")):
+            self.role_switches.labels(a, b)
         r.register(WorkerGauges(pool))
 
     def token_arrival(self, gap_ns: int, first: bool) -> None:
         """A token message arrived ``gap_ns`` after the previous one (after receipt when ``first``)."""
         (self.ttft if first else self.itl).observe(gap_ns / 1e9)
+
+    def local_prefilled(self, reason: str) -> None:
+        """One request routed to prefill on its decode worker, for ``reason`` (LOCAL_PREFILL_REASONS)."""
+        self.local_prefills.labels(reason).inc()
+
+    def role_switched(self, from_role: str, to_role: str) -> None:
+        """One switchable worker changed role."""
+        self.role_switches.labels(from_role, to_role).inc()
 
     def rejected(self, reason: str) -> None:
         """One call refused for ``reason`` (one of REJECT_REASONS; ValueError otherwise, so the

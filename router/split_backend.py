@@ -22,7 +22,8 @@ from pdserve.router.backends import (
     wait_for_workers,
 )
 from pdserve.router.kv_lease import LeaseLost, first_while_leased
-from pdserve.router.pool import WorkerHandle, WorkerPool
+from pdserve.router.local_prefill import LocalPrefill, local_prefill_reason
+from pdserve.router.pool import WorkerPool
 from pdserve.router.validation import ValidatedRequest
 from pdserve.v1 import generate_pb2, worker_pb2
 
@@ -35,14 +36,6 @@ log = logging.getLogger(__name__)
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // max(block_size, 1))
-
-
-def prefills_on_decode(pool: WorkerPool, decode_w: WorkerHandle, n: int, hashes: list, local_tokens: int) -> bool:
-    """Conditional disaggregation: True when ``decode_w`` should prefill an ``n``-token prompt
-    (full blocks named ``hashes``) itself, as at most ``local_tokens`` of its tokens are
-    not in that worker's prefix cache (as the router's index believes; 0: never). Pure: reads
-    ``pool`` and changes nothing."""
-    return n - pool.cached_tokens(decode_w, n, hashes) <= local_tokens
 
 
 def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
@@ -68,18 +61,23 @@ class SplitBackend:
     ``MAX_MIGRATIONS`` times, waiting up to ``MIGRATION_WAIT_S`` for live workers; then the
     original error ends the stream.
 
-    **Conditional disaggregation** (Dynamo's and llm-d's rule): when the part of the prompt that the
-    chosen decode worker does not hold in its prefix cache is at most ``local_prefill_tokens``
-    (0: never), the decode worker prefills it itself and no KV moves; the request's timings say
-    so (``prefilled_on_decode``).
+    **Conditional disaggregation** (router/local_prefill.py): when ``local_prefill`` says so (the
+    uncached part is short, or the prefill pool is busy and the decode worker has room), the decode
+    worker prefills the prompt itself and no KV moves; ``on_local_prefill(reason)`` is called and
+    the request's timings say so (``prefilled_on_decode``). Default: never.
     """
 
     def __init__(
-        self, pool: WorkerPool, on_migrate: Callable[[], None] | None = None, local_prefill_tokens: int = 0
+        self,
+        pool: WorkerPool,
+        on_migrate: Callable[[], None] | None = None,
+        local_prefill: LocalPrefill | None = None,
+        on_local_prefill: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
         self.on_migrate = on_migrate or (lambda: None)
-        self.local_prefill_tokens = local_prefill_tokens
+        self.local_prefill = local_prefill or LocalPrefill(tokens=0, policy="prefix")
+        self.on_local_prefill = on_local_prefill or (lambda reason: None)
 
     async def stream(
         self, req: ValidatedRequest, state: RequestState, t0_ns: int, timeout: float | None
@@ -130,7 +128,9 @@ class SplitBackend:
         await wait_for_workers(self.pool, route_wait(timeout))
         n, hashes = len(prompt), self.pool.prefix_of(prompt)
         decode_w = self.pool.pick_decode(n, hashes)
-        if prefills_on_decode(self.pool, decode_w, n, hashes, self.local_prefill_tokens):
+        reason = local_prefill_reason(self.pool, decode_w, n, hashes, self.local_prefill)
+        if reason is not None:
+            self.on_local_prefill(reason)
             async for ev in colocated_stream(
                 self.pool, decode_w, request_id, prompt, sampling, state, t0_ns, timeout, on_decode=True
             ):

@@ -14,14 +14,16 @@ from prometheus_client.core import GaugeMetricFamily
 
 def worker_labels(workers) -> list[str]:
     """The ``worker`` label of each of ``workers`` (``WorkerHandle``s, in pool order): its role and its
-    position among that role's workers, ``prefill-0``, ``decode-1``, ``colocated-0``. ``WorkerPool.replace``
+    position among that role's workers, ``prefill-0``, ``decode-1``, ``colocated-0`` (``switchable-0``
+    for switchable workers, whose role is only in the ``role`` label). ``WorkerPool.replace``
     keeps a replacement at the position of the worker it replaces, so the label outlives the address."""
     seen: dict[str, int] = {}
     labels = []
     for w in workers:
-        index = seen.get(w.role, 0)
-        seen[w.role] = index + 1
-        labels.append(f"{w.role}-{index}")
+        kind = "switchable" if w.switchable else w.role  # a switchable worker's role changes, its label not
+        index = seen.get(kind, 0)
+        seen[kind] = index + 1
+        labels.append(f"{kind}-{index}")
     return labels
 
 

@@ -44,3 +44,8 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
             self.host.streams.close(rid)
             if not finished:
                 await abort_quietly(self.host.loop, rid)
+
+
+def colocated_service(worker: ColocatedWorker) -> tuple:
+    """ColocatedService on ``worker``, as ``serve_worker`` takes services."""
+    return (worker_pb2_grpc.add_ColocatedServiceServicer_to_server, worker, "pdserve.v1.ColocatedService")

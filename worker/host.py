@@ -129,16 +129,32 @@ class EngineHost:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """GetStats and Abort for any role. ``extra_stats()`` adds role-specific fields."""
+    """GetStats, Abort and SetRole for any role: ``worker.role`` is read at each call (a switchable
+    worker's changes); ``worker.host.extra_stats()`` adds role-specific fields; SetRole calls
+    ``worker.set_role(role)`` (returns the previous role; ValueError for an unknown one) and is
+    FAILED_PRECONDITION on a worker without it."""
 
-    def __init__(self, role: str, loop: EngineLoop, extra_stats: Callable[[], dict] = dict) -> None:
-        self.role = role
-        self.loop = loop
-        self.extra_stats = extra_stats
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.loop: EngineLoop = worker.host.loop
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
         # read directly: going through the engine thread would wait out a long prefill step
-        return worker_pb2.WorkerStats(role=self.role, **self.loop.engine.stats(), **self.extra_stats())
+        w = self.worker
+        return worker_pb2.WorkerStats(role=w.role, **self.loop.engine.stats(), **w.host.extra_stats())
+
+    async def SetRole(self, request, context) -> worker_pb2.SetRoleResponse:
+        set_role = getattr(self.worker, "set_role", None)
+        if set_role is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this {self.worker.role} worker has a fixed role; only switchable workers (--placement auto) switch",
+            )
+        try:
+            previous = set_role(request.role)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.SetRoleResponse(previous_role=previous, role=self.worker.role)
 
     async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
         seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.abort(request.request_id)))
@@ -191,27 +207,21 @@ class RunningWorker:
         await self.worker.host.stop()
 
 
-async def serve_worker(
-    worker, add_role_servicer, role_service: str, host: str, port: int, extra_services: tuple = ()
-) -> RunningWorker:
-    """Start ``worker.host`` and a gRPC server with the role service + WorkerService (+ any
-    ``extra_services``, (add_servicer, servicer, service name) triples sharing the same engine).
+async def serve_worker(worker, services: list[tuple], host: str, port: int) -> RunningWorker:
+    """Start ``worker.host`` and a gRPC server with ``services`` ((add_servicer, servicer, service
+    name) triples sharing the same engine) + WorkerService.
 
-    ``worker`` is a role servicer with ``role`` (str) and ``host`` (EngineHost) attributes. With a
-    cluster secret in the environment (``auth.SECRET_ENV``), calls without it are UNAUTHENTICATED.
+    ``worker`` has ``role`` (str) and ``host`` (EngineHost) attributes (see ``WorkerServicer``). With
+    a cluster secret in the environment (``auth.SECRET_ENV``), calls without it are UNAUTHENTICATED.
     """
     from pdserve.rpc.auth import cluster_secret, require_cluster_secret
     from pdserve.rpc.server import start_server
 
     secret = cluster_secret()
     worker.host.start()
-    stats = WorkerServicer(worker.role, worker.host.loop, worker.host.extra_stats)
+    stats = WorkerServicer(worker)
     server, bound = await start_server(
-        [
-            (add_role_servicer, worker, role_service),
-            *extra_services,
-            (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService"),
-        ],
+        [*services, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService")],
         host,
         port,
         interceptors=[require_cluster_secret(secret)] if secret else None,

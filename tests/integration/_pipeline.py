@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -60,18 +61,25 @@ async def local_pipeline(
 ):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``).
-    ``num_prefill`` / ``num_decode``: workers per pool (``num_decode`` colocated workers when colocated)."""
+    ``num_prefill`` / ``num_decode``: workers per pool (``num_decode`` colocated workers when colocated;
+    auto: switchable workers in those first roles)."""
     import pdserve.colocated_worker.worker as colocated
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
     import pdserve.router.grpc_api as router
+    import pdserve.switchable_worker.worker as switchable
     from pdserve.engine.config import EngineConfig
 
     cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, **engine_kw)
-    if placement == "split":
+    if placement in ("split", "auto"):
+        p_serve, d_serve = (
+            (prefill.serve, decode.serve)
+            if placement == "split"
+            else (partial(switchable.serve, role="prefill"), partial(switchable.serve, role="decode"))
+        )
         workers = list(
             await asyncio.gather(
-                *[prefill.serve(cfg) for _ in range(num_prefill)], *[decode.serve(cfg) for _ in range(num_decode)]
+                *[p_serve(cfg) for _ in range(num_prefill)], *[d_serve(cfg) for _ in range(num_decode)]
             )
         )
         r = await router.serve(

@@ -39,7 +39,13 @@ def test_observations_land_in_their_series():
     m.finished(generate_pb2.FINISH_REASON_LENGTH, 0, t)
     m.finished(generate_pb2.FINISH_REASON_ABORT, 0, None)
     m.rejected("invalid")
+    m.local_prefilled("prefill_busy")
+    m.role_switched("prefill", "decode")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in _families(m).values() for s in f.samples}
+    assert samples[("pdserve:local_prefills_total", (("reason", "prefill_busy"),))] == 1
+    assert samples[("pdserve:local_prefills_total", (("reason", "short"),))] == 0
+    assert samples[("pdserve:role_switches_total", (("from_role", "prefill"), ("to_role", "decode")))] == 1
+    assert samples[("pdserve:role_switches_total", (("from_role", "decode"), ("to_role", "prefill")))] == 0
     assert samples[("pdserve:time_to_first_token_seconds_sum", ())] == 0.03
     assert samples[("pdserve:inter_token_latency_seconds_count", ())] == 1
     assert samples[("pdserve:kv_transfer_bytes_sum", ())] == 4096
@@ -51,7 +57,7 @@ def test_observations_land_in_their_series():
     assert samples[("pdserve:worker_healthy", (("role", "decode"), ("worker", "decode-0")))] == 0
     assert not any(name.endswith("_created") for name, _ in samples)
     labels = {k for (_, ls) in samples for k, _ in ls}
-    assert labels <= {"le", "finish_reason", "reason", "role", "worker", "stage"}  # bounded: no request ids
+    assert labels <= {"le", "finish_reason", "reason", "role", "worker", "stage", "from_role", "to_role"}  # no ids
 
 
 def test_workers_are_labelled_by_role_and_index_never_by_address():

@@ -114,7 +114,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint", "cached_kv_blocks", "prefix_query_tokens", "prefix_hit_tokens")
+    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint", "cached_kv_blocks", "prefix_query_tokens", "prefix_hit_tokens", "prefill_busy_ns", "decode_busy_ns", "switchable")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,9 @@ class WorkerStats(_message.Message):
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    SWITCHABLE_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_waiting: int
     num_running: int
@@ -139,7 +142,24 @@ class WorkerStats(_message.Message):
     cached_kv_blocks: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    prefill_busy_ns: int
+    decode_busy_ns: int
+    switchable: bool
+    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefill_busy_ns: _Optional[int] = ..., decode_busy_ns: _Optional[int] = ..., switchable: _Optional[bool] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("previous_role", "role")
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    previous_role: str
+    role: str
+    def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

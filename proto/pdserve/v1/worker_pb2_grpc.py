@@ -320,6 +320,11 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.WorkerService/SetRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -340,6 +345,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Switch the role of a switchable worker; FAILED_PRECONDITION on any other worker,
+        INVALID_ARGUMENT for an unknown role. Requests under way go on to their end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -352,6 +365,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -409,6 +427,33 @@ class WorkerService:
             '/pdserve.v1.WorkerService/Abort',
             pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/SetRole',
+            pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
