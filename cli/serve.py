@@ -19,7 +19,7 @@ from pdserve.worker.flags import add_engine_args, non_negative_int, port, positi
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
-DEFAULT_SLO_ITL_MS = 40.0  # as cluster/config.py (not imported here: the parser stays light)
+DEFAULT_SLO_TPOT_MS = 40.0  # as cluster/config.py (not imported here: the parser stays light)
 
 
 def _cluster_config(args):
@@ -51,7 +51,7 @@ def _cluster_config(args):
         routing=args.routing,
         local_prefill_tokens=args.local_prefill_tokens,
         local_prefill_policy=args.local_prefill_policy,
-        slo_itl_ms=args.slo_itl_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
     )
 
 
@@ -115,9 +115,9 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
     )
     p.add_argument("--plan", default=None, help="auto: take the first roles from this plan.json (pdserve plan)")
     p.add_argument(
-        "--slo-itl-ms",
+        "--slo-tpot-ms",
         type=positive_float,
-        default=DEFAULT_SLO_ITL_MS,
+        default=DEFAULT_SLO_TPOT_MS,
         help="auto: the inter-token latency target role switching keeps (ms)",
     )
     p.add_argument(

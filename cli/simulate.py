@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from pdserve.cli.serve import add_routing_args
+from pdserve.cli.serve import DEFAULT_SLO_TPOT_MS, add_routing_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
 from pdserve.worker.flags import non_negative_float, non_negative_int, positive_float, positive_int
 
@@ -36,7 +36,6 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     add_routing_args(p)
     p.add_argument("--relay-ms", type=non_negative_float, default=0.0, help="router relay of each token, ms")
-    p.add_argument("--slo-itl-ms", type=positive_float, default=40.0, help="auto: the ITL target of role switching")
     p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s")
     p.add_argument("--out", default=f"sim_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
     add_workload_args(p)
@@ -110,7 +109,7 @@ def cmd_simulate(args) -> int:
         args.max_requests_per_worker,
         args.relay_ms / 1e3,
         args.local_prefill_policy,
-        args.slo_itl_ms / 1e3,
+        (args.slo_tpot_ms or DEFAULT_SLO_TPOT_MS) / 1e3,
     )
     try:
         sim = Simulator(cfg, model, dtype)

@@ -41,7 +41,7 @@ class SimConfig:
     """A cluster as ``pdserve serve`` would start it: ``engine`` before the roles' defaults
     (``for_role``), worker counts (colocated: ``num_prefill + num_decode`` workers; auto: the first
     roles), routing, the local-prefill rule (tokens, policy), the request bound per worker, the
-    router's relay of each token to the client (seconds) and auto's ITL target (seconds)."""
+    router's relay of each token to the client (seconds) and auto's TPOT target (seconds)."""
 
     engine: EngineConfig
     placement: str = "split"
@@ -52,7 +52,7 @@ class SimConfig:
     max_requests_per_worker: int = 0
     relay_s: float = 0.0
     local_prefill_policy: str = "prefix"
-    slo_itl_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 class SimWorker:
@@ -110,7 +110,7 @@ class Simulator:
         self._next_poll = 0.0
         self.requests: dict[str, _Request] = {}
         self.local_prefill = LocalPrefill(cfg.local_prefill_tokens, cfg.local_prefill_policy)
-        self.roles = SimRoles(self, cfg.slo_itl_s) if auto else None
+        self.roles = SimRoles(self, cfg.slo_tpot_s) if auto else None
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:
@@ -216,8 +216,6 @@ class Simulator:
 
     def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
         seq, r = out.seq, self.requests[out.seq.request_id]
-        if self.roles is not None and r.rec.token_times_s:
-            self.roles.rebalancer.observe_itl(int((t + self.cfg.relay_s - r.rec.token_times_s[-1]) * 1e9))
         r.rec.token_times_s.append(t + self.cfg.relay_s)
         r.output.append(out.token)
         if out.prefill and len(r.rec.token_times_s) == 1:  # a recompute after preemption is no first token
@@ -244,6 +242,9 @@ class Simulator:
     def _finish(self, t: float, r: _Request, reason: str, w: SimWorker) -> None:
         r.rec.finish_reason = reason
         w.handle.active_requests -= 1
+        times = r.rec.token_times_s
+        if self.roles is not None and len(times) > 1:
+            self.roles.rebalancer.observe_tpot((times[-1] - times[0]) / (len(times) - 1) * 1e9)
         if r.decode is not None:
             r.rec.decode_s = t - (r.prefill_end_s + r.rec.kv_transfer_s)
 

@@ -175,15 +175,14 @@ class Frontend:
         self.inflight[req.request_id] = state
         detok = IncrementalDetokenizer(self.tokenizer, req.stop)
         usage = PB.Usage(prompt_tokens=len(req.prompt_token_ids))
-        finish, timings, last_ns = PB.FINISH_REASON_UNSPECIFIED, PB.Timings(), None
+        finish, timings, last_ns, first_ns = PB.FINISH_REASON_UNSPECIFIED, PB.Timings(), None, None
         timings_ns = None  # when the latest timings arrived, while they are not the worker's final ones
         events = self.backend.stream(req, state, t0, timeout)
         try:
             async for ev in events:
                 now = time.monotonic_ns()
                 self.metrics.token_arrival(now - (last_ns or t0), first=last_ns is None)
-                if self.rebalancer is not None and last_ns is not None:
-                    self.rebalancer.observe_itl(now - last_ns)
+                first_ns = first_ns or now
                 if state.stalled:
                     state.stalled = False
                     log.warning(
@@ -235,6 +234,8 @@ class Frontend:
             timings.decode_ns += last_ns - timings_ns
         timings.total_ns = time.monotonic_ns() - t0
         self.metrics.finished(finish, t0, timings, usage.prompt_tokens)
+        if self.rebalancer is not None and usage.completion_tokens > 1 and finish != PB.FINISH_REASON_ABORT:
+            self.rebalancer.observe_tpot((last_ns - first_ns) / (usage.completion_tokens - 1))
         yield PB.GenerateResponse(
             complete=PB.Complete(
                 finish_reason=finish, usage=usage, text=rest, timings=timings, request_id=req.request_id

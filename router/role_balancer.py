@@ -17,9 +17,9 @@ work (``prefill_busy`` on decode workers) would be better served by a worker of 
 
 Utilisation alone always prefers colocated placement (the same work spread over every worker), but
 prompt chunks stretch the decode steps they share (the interference DistServe splits phases for).
-So with an inter-token latency target (``slo_itl_s``), a window whose ITL p90 at the router is over
-it while the decode workers spend at least ``min_local_share`` of their time in steps with a
-prompt chunk proposes moving a decode worker to prefill (reason ``itl``), if both sides could keep
+So with a TPOT target (``slo_tpot_s``), a window whose completed requests' TPOT p90 (at the router)
+is over it while the decode workers spend at least ``min_local_share`` of their time in steps with a
+prompt chunk proposes moving a decode worker to prefill (reason ``tpot``), if both sides could keep
 up after it (predicted bottleneck under ``1 - margin``); and for ``hold_s`` after such a move no
 utilisation move may empty the prefill role again.
 
@@ -58,7 +58,7 @@ class Move:
     to_role: str
     bottleneck: float
     predicted: float
-    reason: str = "utilisation"  # or "itl"
+    reason: str = "utilisation"  # or "tpot"
 
 
 def bottleneck(loads: list[WorkerLoad], num_prefill: int, num_decode: int) -> float:
@@ -81,13 +81,13 @@ class RoleBalancer:
     margin: float = 0.15
     patience: int = 3
     cooldown_s: float = 10.0
-    slo_itl_s: float | None = None
+    slo_tpot_s: float | None = None
     min_local_share: float = 0.1
     hold_s: float = 60.0
     _streak: tuple[str, str] | None = field(default=None, repr=False)
     _count: int = field(default=0, repr=False)
     _last_switch_s: float = field(default=float("-inf"), repr=False)
-    _itl_split_s: float = field(default=float("-inf"), repr=False)
+    _tpot_split_s: float = field(default=float("-inf"), repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0 or self.patience < 1 or self.cooldown_s < 0:
@@ -96,8 +96,8 @@ class RoleBalancer:
                 f"got {self.margin}, {self.patience}, {self.cooldown_s}"
             )
 
-    def best_move(self, loads: list[WorkerLoad], itl_p90_s: float | None = None, now_s: float = 0.0) -> Move | None:
-        """The move for one window's ``loads`` (and the router's ITL p90 in it, seconds): an ``itl``
+    def best_move(self, loads: list[WorkerLoad], tpot_p90_s: float | None = None, now_s: float = 0.0) -> Move | None:
+        """The move for one window's ``loads`` (and the TPOT p90 of the requests completed in it, seconds): a ``tpot``
         move, else the utilisation move that lowers the bottleneck most, by more than ``margin``;
         None if none qualifies."""
         p = sum(1 for w in loads if w.role == "prefill")
@@ -110,31 +110,31 @@ class RoleBalancer:
             w = min((w for w in loads if w.role == "decode"), key=lambda w: w.busy)
             to_prefill = Move(w.address, "decode", "prefill", now, bottleneck(loads, p + 1, d - 1))
             local = sum(w.prefill_busy for w in loads if w.role == "decode") / d
-            slow = self.slo_itl_s is not None and itl_p90_s is not None and itl_p90_s > self.slo_itl_s
+            slow = self.slo_tpot_s is not None and tpot_p90_s is not None and tpot_p90_s > self.slo_tpot_s
             if slow and local >= self.min_local_share and to_prefill.predicted < 1.0 - self.margin:
-                return Move(to_prefill.address, "decode", "prefill", now, to_prefill.predicted, "itl")
+                return Move(to_prefill.address, "decode", "prefill", now, to_prefill.predicted, "tpot")
         options = [to_prefill] if to_prefill else []
-        if p >= 1 and not (p == 1 and now_s - self._itl_split_s < self.hold_s):  # a prefill worker to decode
+        if p >= 1 and not (p == 1 and now_s - self._tpot_split_s < self.hold_s):  # a prefill worker to decode
             w = min((w for w in loads if w.role == "prefill"), key=lambda w: w.busy)
             options.append(Move(w.address, "prefill", "decode", now, bottleneck(loads, p - 1, d + 1)))
         best = min(options, key=lambda m: m.predicted, default=None)
         return best if best is not None and best.predicted < now - self.margin else None
 
     def observe(
-        self, now_s: float, loads: list[WorkerLoad], draining: bool = False, itl_p90_s: float | None = None
+        self, now_s: float, loads: list[WorkerLoad], draining: bool = False, tpot_p90_s: float | None = None
     ) -> Move | None:
-        """One window's loads at ``now_s`` (and ITL p90, seconds); the move to make now, or None.
+        """One window's loads at ``now_s`` (and TPOT p90, seconds); the move to make now, or None.
         Call ``switched`` once a proposed move is done."""
         cooling = draining or now_s - self._last_switch_s < self.cooldown_s
-        move = None if cooling else self.best_move(loads, itl_p90_s, now_s)
+        move = None if cooling else self.best_move(loads, tpot_p90_s, now_s)
         key = (move.from_role, move.to_role) if move else None
         self._count = self._count + 1 if key is not None and key == self._streak else int(key is not None)
         self._streak = key
         if move is None or self._count < self.patience:
             return None
         self._streak, self._count = None, 0
-        if move.reason == "itl":
-            self._itl_split_s = now_s
+        if move.reason == "tpot":
+            self._tpot_split_s = now_s
         return move
 
     def switched(self, now_s: float) -> None:

@@ -33,30 +33,30 @@ def test_a_saturated_prefill_worker_beside_idle_decode_workers_spreads_its_work(
     b = RoleBalancer()
     move = b.best_move(loads)  # all three colocated (0.4) beats a second prefill worker (0.475)
     assert (move.address, move.to_role, move.predicted) == ("p0", "decode", pytest.approx(0.4))
-    b._itl_split_s = 0.0  # just split for ITL: the prefill role is held, so a decode worker helps instead
+    b._tpot_split_s = 0.0  # just split for TPOT: the prefill role is held, so a decode worker helps instead
     move = b.best_move(loads, now_s=1.0)
     assert (move.address, move.to_role, move.predicted) == ("d0", "prefill", pytest.approx(0.475))
 
 
-def test_colocated_workers_over_the_itl_target_split_off_a_prefill_worker():
+def test_colocated_workers_over_the_tpot_target_split_off_a_prefill_worker():
     colocated = [load("a", "decode", 0.3, 0.4), load("b", "decode", 0.25, 0.4)]
-    b = RoleBalancer(slo_itl_s=0.040)
-    assert b.best_move(colocated, itl_p90_s=0.030) is None  # within the target: utilisation says stay
-    move = b.best_move(colocated, itl_p90_s=0.060)
-    assert (move.address, move.to_role, move.reason) == ("b", "prefill", "itl")
+    b = RoleBalancer(slo_tpot_s=0.040)
+    assert b.best_move(colocated, tpot_p90_s=0.030) is None  # within the target: utilisation says stay
+    move = b.best_move(colocated, tpot_p90_s=0.060)
+    assert (move.address, move.to_role, move.reason) == ("b", "prefill", "tpot")
     no_prompts = [load("a", "decode", 0.02, 0.8), load("b", "decode", 0.02, 0.8)]
-    assert b.best_move(no_prompts, itl_p90_s=0.060) is None  # slow without prompt work: splitting cannot help
+    assert b.best_move(no_prompts, tpot_p90_s=0.060) is None  # slow without prompt work: splitting cannot help
     heavy = [load("a", "decode", 0.6, 0.3), load("b", "decode", 0.6, 0.3)]
-    assert b.best_move(heavy, itl_p90_s=0.060) is None  # one prefill worker could not keep up
+    assert b.best_move(heavy, tpot_p90_s=0.060) is None  # one prefill worker could not keep up
 
 
-def test_after_an_itl_split_utilisation_does_not_empty_the_prefill_role_for_hold_s():
-    b = RoleBalancer(slo_itl_s=0.040, patience=1, cooldown_s=0.0, hold_s=60.0)
+def test_after_a_tpot_split_utilisation_does_not_empty_the_prefill_role_for_hold_s():
+    b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=0.0, hold_s=60.0)
     colocated = [load("a", "decode", 0.3, 0.4), load("b", "decode", 0.25, 0.4)]
-    assert b.observe(0.0, colocated, itl_p90_s=0.060).reason == "itl"
+    assert b.observe(0.0, colocated, tpot_p90_s=0.060).reason == "tpot"
     b.switched(1.0)
-    assert b.observe(30.0, IDLE_PREFILL, itl_p90_s=0.020) is None  # would empty the prefill role: held
-    assert b.observe(61.0, IDLE_PREFILL, itl_p90_s=0.020).to_role == "decode"
+    assert b.observe(30.0, IDLE_PREFILL, tpot_p90_s=0.020) is None  # would empty the prefill role: held
+    assert b.observe(61.0, IDLE_PREFILL, tpot_p90_s=0.020).to_role == "decode"
 
 
 def test_balanced_or_idle_clusters_stay_as_they_are():
