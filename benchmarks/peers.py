@@ -15,7 +15,8 @@ subprocess: vLLM ``LLM.generate``, ``pdserve throughput``, transformers ``model.
 W2, serving: Poisson arrivals at each ``--rates`` rate, ``--num-requests`` requests of exactly
 ``--input-len`` in / ``--output-len`` out (EOS ignored). vLLM is one ``vllm serve`` measured with
 ``vllm bench serve`` (random dataset); pdserve is ``pdserve serve`` split (1 prefill + 1 decode
-worker) and colocated (2 workers), one CPU each, measured with ``pdserve bench`` (random token
+worker), colocated (2 workers) and auto (2 switchable workers, first 1 + 1, roles switched at run
+time), one CPU each, measured with ``pdserve bench`` (random token
 ids). One server on the machine at a time, all on 127.0.0.1. Prefix caching is off in vLLM and
 pdserve alike (``--no-enable-prefix-caching``, ``--no-prefix-caching``): every rate sends the same
 prompts to the same server. Every metric in the tables is computed here from the per-request

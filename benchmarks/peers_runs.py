@@ -16,7 +16,7 @@ from peers_servers import WORKERS, bench_pdserve, bench_vllm, start_server, vllm
 
 from pdserve.loadgen.metrics import SLO
 
-PDSERVE_SYSTEMS = ("pdserve-split", "pdserve-colocated")
+PDSERVE_SYSTEMS = ("pdserve-split", "pdserve-colocated", "pdserve-auto")  # auto: first roles 1 + 1
 
 
 def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[dict]) -> list[dict]:
