@@ -18,8 +18,10 @@ Workloads (``--workloads``): ``w2``, 256 in / 64 out tokens (``--input-len``, ``
 arrivals at each of ``--rates``, prefix caching off; ``azure-conv``, the Azure conversation trace
 (lengths x 0.25) and ``mooncake-conversation``, the Mooncake one (a 1/16 sample of its conversations,
 lengths x 1/32, outputs of ``--output-len``), both rescaled to each of ``--trace-rates``, prompts capped
-at ``--max-input-tokens``. Traces are skipped, saying so, when the datasets folder lacks them. Every
-run sends ``--num-requests`` random-token prompts and is scored at ``--slo-ttft-ms`` / ``--slo-tpot-ms``.
+at ``--max-input-tokens``; ``phases``, a load that changes over time (``phased_trace.py``: decode-heavy
+and prompt-heavy phases in turn), at each of ``--trace-rates``, prefix caching off. Traces are
+skipped, saying so, when the datasets folder lacks them. Every run sends ``--num-requests`` random-token
+prompts and is scored at ``--slo-ttft-ms`` / ``--slo-tpot-ms``.
 
 It prints the CPU (``lscpu`` model name) and core count, then one Markdown table: per run, goodput
 (req/s meeting both SLOs), TTFT p50 / p90, TPOT p50 and ITL p50 as ``predicted / measured (relative
@@ -48,6 +50,7 @@ from peers_env import machine_info, pdserve_env
 from peers_metrics import pdserve_records, w2_metrics
 from peers_processes import busy_cores, free_port, run_logged, spawn, stop, stop_all, tail
 from peers_servers import wait_ready
+from phased_trace import write_phased_trace
 from plan_accuracy_figures import SATURATION_RULES, compare, mark_saturation, markdown_table, parse_placements, verdict
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]
@@ -79,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="colocated:2,split:1+1,auto:2",
         help="KIND:N (N workers) or KIND:P+D, comma-separated (default colocated:2,split:1+1,auto:2)",
     )
-    p.add_argument("--workloads", default="w2,azure-conv,mooncake-conversation", help="comma-separated")
+    p.add_argument("--workloads", default="w2,azure-conv,mooncake-conversation,phases", help="comma-separated")
     p.add_argument("--rates", type=_csv_floats, default="1,2,4,8", help="w2 rates, req/s (default 1,2,4,8)")
     p.add_argument("--trace-rates", type=_csv_floats, default="0.25,0.5", help="trace rates, req/s (default 0.25,0.5)")
     p.add_argument("--num-requests", type=int, default=100, help="requests per run (default 100)")
@@ -120,6 +123,10 @@ def workloads(args) -> tuple[list[tuple], list[str]]:
         if name == "w2":
             flags = ["--arrival", "poisson", "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
             out.append((name, flags + common, args.rates, True))
+            continue
+        if name == "phases":  # a load that changes: benchmarks/phased_trace.py, at each of --trace-rates
+            path = write_phased_trace(Path(args.out).resolve() / "phases.csv", args.num_requests, seed=args.seed)
+            out.append((name, ["--arrival", "trace", "--trace", str(path), *common], args.trace_rates, True))
             continue
         from scheduling import CONVERSATION_SAMPLE, LENGTH_SCALE  # the scale the scheduling benchmark runs them at
 
