@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="per W2 rate, s; the client is stopped a few minutes later (default 600)",
     )
     p.add_argument("--skip-vllm", action="store_true", help="pdserve (and transformers) only")
+    p.add_argument(
+        "--pdserve-placements",
+        type=_csv(str),
+        default="split,colocated,auto",
+        help="W2: pdserve placements to serve, comma-separated (default split,colocated,auto)",
+    )
     p.add_argument("--skip-w1", action="store_true", help="no offline throughput")
     p.add_argument("--skip-w2", action="store_true", help="no serving runs")
     p.add_argument("--skip-hf", action="store_true", help="no transformers row in W1")

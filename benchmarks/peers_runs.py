@@ -16,8 +16,6 @@ from peers_servers import WORKERS, bench_pdserve, bench_vllm, start_server, vllm
 
 from pdserve.loadgen.metrics import SLO
 
-PDSERVE_SYSTEMS = ("pdserve-split", "pdserve-colocated", "pdserve-auto")  # auto: first roles 1 + 1
-
 
 def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[dict]) -> list[dict]:
     """Append one row per (dtype, system) to ``rows`` (so an interrupted run keeps what finished)."""
@@ -92,7 +90,7 @@ def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[di
 
 def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict) -> dict:
     """Fill ``results`` per system and rate (so an interrupted run keeps what finished)."""
-    systems = (["vllm"] if vllm_py else []) + list(PDSERVE_SYSTEMS)
+    systems = (["vllm"] if vllm_py else []) + [f"pdserve-{p}" for p in args.pdserve_placements]
     slo = SLO(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3)
     for system in systems:
         per = results[system] = {"rates": {}}

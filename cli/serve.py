@@ -19,6 +19,7 @@ from pdserve.worker.flags import add_engine_args, non_negative_int, port, positi
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_SLO_TTFT_MS = 400.0
 DEFAULT_SLO_TPOT_MS = 40.0  # as cluster/config.py (not imported here: the parser stays light)
 
 
@@ -51,6 +52,7 @@ def _cluster_config(args):
         routing=args.routing,
         local_prefill_tokens=args.local_prefill_tokens,
         local_prefill_policy=args.local_prefill_policy,
+        slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
     )
 
@@ -114,6 +116,12 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
         "--decode", type=positive_int, default=None, help="decode workers (default 1); colocated runs prefill+decode"
     )
     p.add_argument("--plan", default=None, help="auto: take the first roles from this plan.json (pdserve plan)")
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=positive_float,
+        default=DEFAULT_SLO_TTFT_MS,
+        help="auto: the TTFT target role switching keeps (ms)",
+    )
     p.add_argument(
         "--slo-tpot-ms",
         type=positive_float,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from pdserve.cli.serve import DEFAULT_SLO_TPOT_MS, add_routing_args
+from pdserve.cli.serve import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, add_routing_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
 from pdserve.worker.flags import non_negative_float, non_negative_int, positive_float, positive_int
 
@@ -109,6 +109,7 @@ def cmd_simulate(args) -> int:
         args.max_requests_per_worker,
         args.relay_ms / 1e3,
         args.local_prefill_policy,
+        (args.slo_ttft_ms or DEFAULT_SLO_TTFT_MS) / 1e3,
         (args.slo_tpot_ms or DEFAULT_SLO_TPOT_MS) / 1e3,
     )
     try:

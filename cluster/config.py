@@ -15,6 +15,7 @@ PLACEMENTS = ("split", "colocated", "auto")
 # its prefix cache (benchmarks/local_prefill.py: up to 32, a decode-side prefill adds less than a
 # decode step to its neighbours' inter-token gaps).
 DEFAULT_LOCAL_PREFILL_TOKENS = 32
+DEFAULT_SLO_TTFT_MS = 400.0  # auto placement's latency targets: W2's SLO (docs/benchmarking.md)
 DEFAULT_SLO_TPOT_MS = 40.0  # auto placement's inter-token latency target: W2's TPOT SLO (docs/benchmarking.md)
 
 
@@ -28,7 +29,7 @@ class ClusterConfig:
     so both placements use the same total hardware.
     auto: ``num_prefill + num_decode`` switchable workers starting in those roles (``num_prefill`` may
     be 0: every worker then prefills its own requests), whose roles the router switches at run time
-    (router/role_switch.py) against ``slo_tpot_ms``, the inter-token latency target.
+    (router/role_switch.py) against ``slo_ttft_ms`` and ``slo_tpot_ms``, its latency targets.
     ``local_prefill_tokens`` and ``local_prefill_policy``: when split or auto placement prefills on
     the decode worker (router/local_prefill.py).
     ``device`` None picks GPUs when the Ray cluster has one per worker, else CPUs; "cuda" or "cpu"
@@ -54,6 +55,7 @@ class ClusterConfig:
     routing: str = "prefix-aware"  # or "least-loaded" (router/pool.py)
     local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS  # split: prefill on decode at most this many uncached
     local_prefill_policy: str = DEFAULT_LOCAL_PREFILL_POLICY
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
     router_host: str = "127.0.0.1"
     router_port: int = 50051
@@ -87,8 +89,8 @@ class ClusterConfig:
             raise ValueError(
                 f"local_prefill_policy must be one of {LOCAL_PREFILL_POLICIES}, got {self.local_prefill_policy!r}"
             )
-        if not self.slo_tpot_ms > 0:
-            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
+        if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
+            raise ValueError(f"slo_ttft_ms and slo_tpot_ms must be > 0, got {self.slo_ttft_ms}, {self.slo_tpot_ms}")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
         if self.device not in (None, "cpu", "cuda"):

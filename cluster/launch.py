@@ -229,6 +229,7 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
                 routing=cfg.routing,
                 local_prefill_tokens=cfg.local_prefill_tokens,
                 local_prefill_policy=cfg.local_prefill_policy,
+                slo_ttft_ms=cfg.slo_ttft_ms if cfg.placement == "auto" else None,
                 slo_tpot_ms=cfg.slo_tpot_ms if cfg.placement == "auto" else None,
             ),
             timeout=START_TIMEOUT_S,

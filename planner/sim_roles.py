@@ -26,9 +26,10 @@ class SimSwitch:
 class SimRoles:
     """The simulator's role switching; ``tick(t)`` runs at each stats poll."""
 
-    def __init__(self, sim, slo_tpot_s: float | None) -> None:
+    def __init__(self, sim, slo_ttft_s: float | None, slo_tpot_s: float | None) -> None:
         self.sim = sim
-        self.rebalancer = RoleRebalancer(sim.pool, RoleBalancer(slo_tpot_s=slo_tpot_s), start_s=0.0)
+        balancer = RoleBalancer(slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        self.rebalancer = RoleRebalancer(sim.pool, balancer, start_s=0.0)
         self.move: Move | None = None
         self.drain_start_s = 0.0
         self.switches: list[SimSwitch] = []

@@ -41,7 +41,7 @@ class SimConfig:
     """A cluster as ``pdserve serve`` would start it: ``engine`` before the roles' defaults
     (``for_role``), worker counts (colocated: ``num_prefill + num_decode`` workers; auto: the first
     roles), routing, the local-prefill rule (tokens, policy), the request bound per worker, the
-    router's relay of each token to the client (seconds) and auto's TPOT target (seconds)."""
+    router's relay of each token to the client (seconds) and auto's TTFT and TPOT targets (seconds)."""
 
     engine: EngineConfig
     placement: str = "split"
@@ -52,6 +52,7 @@ class SimConfig:
     max_requests_per_worker: int = 0
     relay_s: float = 0.0
     local_prefill_policy: str = "prefix"
+    slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
 
 
@@ -110,7 +111,7 @@ class Simulator:
         self._next_poll = 0.0
         self.requests: dict[str, _Request] = {}
         self.local_prefill = LocalPrefill(cfg.local_prefill_tokens, cfg.local_prefill_policy)
-        self.roles = SimRoles(self, cfg.slo_tpot_s) if auto else None
+        self.roles = SimRoles(self, cfg.slo_ttft_s, cfg.slo_tpot_s) if auto else None
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:
@@ -243,8 +244,9 @@ class Simulator:
         r.rec.finish_reason = reason
         w.handle.active_requests -= 1
         times = r.rec.token_times_s
-        if self.roles is not None and len(times) > 1:
-            self.roles.rebalancer.observe_tpot((times[-1] - times[0]) / (len(times) - 1) * 1e9)
+        if self.roles is not None and times:
+            tpot = (times[-1] - times[0]) / (len(times) - 1) * 1e9 if len(times) > 1 else None
+            self.roles.rebalancer.observe_request((times[0] - r.rec.sent_s) * 1e9, tpot)
         if r.decode is not None:
             r.rec.decode_s = t - (r.prefill_end_s + r.rec.kv_transfer_s)
 

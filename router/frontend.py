@@ -234,8 +234,9 @@ class Frontend:
             timings.decode_ns += last_ns - timings_ns
         timings.total_ns = time.monotonic_ns() - t0
         self.metrics.finished(finish, t0, timings, usage.prompt_tokens)
-        if self.rebalancer is not None and usage.completion_tokens > 1 and finish != PB.FINISH_REASON_ABORT:
-            self.rebalancer.observe_tpot((last_ns - first_ns) / (usage.completion_tokens - 1))
+        if self.rebalancer is not None and first_ns is not None and finish != PB.FINISH_REASON_ABORT:
+            n = usage.completion_tokens
+            self.rebalancer.observe_request(first_ns - t0, (last_ns - first_ns) / (n - 1) if n > 1 else None)
         yield PB.GenerateResponse(
             complete=PB.Complete(
                 finish_reason=finish, usage=usage, text=rest, timings=timings, request_id=req.request_id

@@ -151,6 +151,7 @@ async def serve(
     routing: str = "prefix-aware",
     local_prefill_tokens: int = 0,
     local_prefill_policy: str = "prefix",
+    slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
 ) -> RunningRouter:
     """Start the router for a split (``prefill`` + ``decode``) or colocated (``colocated``) pool.
@@ -166,8 +167,8 @@ async def serve(
     both PEM) to serve both client-facing APIs over TLS (gRPC over TLS, HTTPS); internal calls stay
     on the cluster's own channels. OSError when a file cannot be read.
     ``routing``: ``prefix-aware`` or ``least-loaded`` (``WorkerPool``); ``local_prefill_tokens``
-    and ``local_prefill_policy``: the local-prefill rule (``LocalPrefill``); ``slo_tpot_ms``: the
-    inter-token latency target of an auto placement's role switching (``RoleBalancer.slo_tpot_s``).
+    and ``local_prefill_policy``: the local-prefill rule (``LocalPrefill``); ``slo_ttft_ms`` and
+    ``slo_tpot_ms``: the latency targets of an auto placement's role switching (``RoleBalancer``).
     Switchable workers (``pdserve.switchable_worker``), given as ``prefill`` and ``decode`` in
     their first roles (``prefill`` may be empty), make an auto placement whose roles change at run
     time. ValueError when the pool is neither split, colocated nor auto, or the local-prefill rule
@@ -193,7 +194,9 @@ async def serve(
         api_keys=tuple(api_keys),
         model_name=model_name,
         local_prefill=local_prefill,
-        role_balancer=RoleBalancer(slo_tpot_s=slo_tpot_ms / 1e3 if slo_tpot_ms else None),
+        role_balancer=RoleBalancer(
+            slo_ttft_s=slo_ttft_ms / 1e3 if slo_ttft_ms else None, slo_tpot_s=slo_tpot_ms / 1e3 if slo_tpot_ms else None
+        ),
     )
     health_servicer = health.aio.HealthServicer()
     interceptors = (

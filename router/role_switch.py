@@ -29,8 +29,8 @@ SET_ROLE_TIMEOUT_S = 5.0
 
 
 class RoleRebalancer:
-    """Feeds the pool's switchable workers' busy time and the TPOT p90 of the requests completed
-    (``observe_tpot``) to ``balancer`` every ``window_s`` seconds (``on_refresh``, run after each
+    """Feeds the pool's switchable workers' busy time and the TTFT and TPOT p90 of the requests
+    completed (``observe_request``) to ``balancer`` every ``window_s`` seconds (``on_refresh``, run after each
     stats poll) and carries out its moves one at a time.
     ``on_switch(from_role, to_role)`` is called after each done switch."""
 
@@ -51,18 +51,22 @@ class RoleRebalancer:
         self.on_switch = on_switch or (lambda a, b: None)
         self._last: dict[str, tuple[int, int]] = {}  # address -> busy ns at the window's start
         self._window_start = time.monotonic() if start_s is None else start_s
-        self._tpot_s: list[float] = []  # TPOT of the requests completed this window, seconds
+        self._ttft_s: list[float] = []  # TTFT and TPOT of the requests completed this window, seconds
+        self._tpot_s: list[float] = []
         self.task: asyncio.Task | None = None  # the switch under way
 
-    def observe_tpot(self, tpot_ns: float) -> None:
-        """A request completed with this TPOT (its first to last token over its tokens after the
-        first, at the router; ``pdserve.router.timings``' definition), nanoseconds."""
-        if len(self._tpot_s) < 100_000:  # a bound per window; the p90 of a sample that large is the same
-            self._tpot_s.append(tpot_ns / 1e9)
+    def observe_request(self, ttft_ns: float, tpot_ns: float | None) -> None:
+        """A request completed with this TTFT and TPOT (None for one token) at the router,
+        nanoseconds (``pdserve.router.timings``' definitions)."""
+        if len(self._ttft_s) < 100_000:  # a bound per window; the p90 of a sample that large is the same
+            self._ttft_s.append(ttft_ns / 1e9)
+            if tpot_ns is not None:
+                self._tpot_s.append(tpot_ns / 1e9)
 
-    def _tpot_p90_s(self) -> float | None:
-        tpots, self._tpot_s = sorted(self._tpot_s), []
-        return tpots[int(0.9 * (len(tpots) - 1))] if len(tpots) >= 5 else None  # too few to judge: no signal
+    @staticmethod
+    def _p90(values: list[float]) -> float | None:
+        values = sorted(values)
+        return values[int(0.9 * (len(values) - 1))] if len(values) >= 5 else None  # too few to judge: no signal
 
     def loads(self, elapsed_s: float) -> list[WorkerLoad]:
         """Each healthy switchable worker's busy shares since the last window (and a new window)."""
@@ -77,12 +81,13 @@ class RoleRebalancer:
         return out
 
     def decide(self, now_s: float, switching: bool = False) -> Move | None:
-        """At ``now_s``: once a window has passed, its loads and TPOT p90 go to the balancer; its move
+        """At ``now_s``: once a window has passed, its loads and latency p90s go to the balancer; its move
         (None before the window ends, or while ``switching``)."""
         if now_s - self._window_start < self.window_s:
             return None
         loads, self._window_start = self.loads(now_s - self._window_start), now_s
-        return self.balancer.observe(now_s, loads, draining=switching, tpot_p90_s=self._tpot_p90_s())
+        ttft, tpot, self._ttft_s, self._tpot_s = self._p90(self._ttft_s), self._p90(self._tpot_s), [], []
+        return self.balancer.observe(now_s, loads, switching, ttft, tpot)
 
     async def on_refresh(self) -> None:
         move = self.decide(time.monotonic(), self.task is not None and not self.task.done())

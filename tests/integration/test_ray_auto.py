@@ -18,7 +18,7 @@ def test_an_auto_cluster_serves_greedy_output_on_switchable_workers():
     from pdserve.cluster.launch import start_cluster
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.text.tokenizer import Tokenizer
-    from tests.integration.test_ray_cluster import _used_blocks
+    from tests.integration.test_ray_cluster import assert_no_blocks_left
 
     cfg = ClusterConfig(EngineConfig(model="embedded", dtype="float32", num_kv_blocks=512), "auto", router_port=0)
     with start_cluster(cfg) as cluster:
@@ -35,10 +35,6 @@ def test_an_auto_cluster_serves_greedy_output_on_switchable_workers():
                 )
                 for p, res in zip(prompts, results):
                     assert res.token_ids == hf_greedy(info.model_path, tok.encode(p), 16)
-            for _ in range(100):
-                if await _used_blocks(cluster) == 0:
-                    return
-                await asyncio.sleep(0.05)
-            pytest.fail(f"blocks still in use: {await _used_blocks(cluster)}")
+            await assert_no_blocks_left(cluster)
 
         asyncio.run(run())

@@ -48,6 +48,15 @@ async def _used_blocks(cluster) -> int:
     return total
 
 
+async def assert_no_blocks_left(cluster, wait_s: float = 5.0) -> None:
+    """Every worker's KV blocks and sequences are freed within ``wait_s`` seconds."""
+    for _ in range(int(wait_s / 0.05)):
+        if await _used_blocks(cluster) == 0:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"blocks still in use: {await _used_blocks(cluster)}")
+
+
 def test_split_cluster_on_ray(split_cluster):
     cluster = split_cluster
     assert sorted(cluster.workers.values()) == ["decode", "prefill"]
@@ -86,11 +95,7 @@ def test_split_cluster_on_ray(split_cluster):
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             one = await client.generate(make_request("one", max_tokens=1))
             assert len(one.token_ids) == 1
-        for _ in range(100):
-            if await _used_blocks(cluster) == 0:
-                return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"blocks still in use: {await _used_blocks(cluster)}")
+        await assert_no_blocks_left(cluster)
 
     asyncio.run(run())
 

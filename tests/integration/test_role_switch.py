@@ -77,7 +77,7 @@ async def test_the_router_moves_an_idle_prefill_worker_to_decode_by_itself(embed
     batch = prompts(4, 8)
     async with local_pipeline(embedded_dir, "auto") as pipe, Client(pipe.address) as client:
         core = pipe.router.core
-        core.rebalancer.balancer = RoleBalancer(patience=1, cooldown_s=1000.0)
+        core.rebalancer.balancer = RoleBalancer(patience=1, cooldown_s=1000.0, high=0.3)
         core.rebalancer.window_s = 0.3
         results = await send_all(client, batch, 96, gap_s=0.01)  # short prompts, long outputs: decode-bound
         deadline = asyncio.get_running_loop().time() + 10

@@ -1,5 +1,5 @@
 """The P:D policy of ``--placement auto`` (router/role_balancer.py): which move it proposes, and its
-hysteresis (patience, cooldown, no move while draining or without traffic)."""
+hysteresis (patience, cooldown, a hold after an SLO move, no move while draining or without traffic)."""
 
 from __future__ import annotations
 
@@ -12,58 +12,53 @@ def load(addr: str, role: str, prefill: float, decode: float) -> WorkerLoad:
     return WorkerLoad(addr, role, prefill, decode)
 
 
-IDLE_PREFILL = [load("p0", "prefill", 0.2, 0.0), load("d0", "decode", 0.05, 0.9)]  # W2 on split 1+1
+# decode-heavy traffic on split 1 + 1: the prefill worker idles beside a saturated decode worker
+IDLE_PREFILL = [load("p0", "prefill", 0.1, 0.0), load("d0", "decode", 0.0, 0.95)]
+# prompt-heavy traffic on 2 workers that prefill their own requests (colocated)
+COLOCATED = [load("a", "decode", 0.3, 0.3), load("b", "decode", 0.25, 0.3)]
 
 
-def test_bottleneck_is_the_busier_side_after_the_move():
+def test_bottleneck_is_the_busier_side_after_the_move_with_mixing_costed():
     assert bottleneck(IDLE_PREFILL, 1, 1) == pytest.approx(0.95)
-    assert bottleneck(IDLE_PREFILL, 0, 2) == pytest.approx((0.2 + 0.95) / 2)  # colocated: all work on 2
-    colocated = [load("a", "decode", 0.6, 0.2), load("b", "decode", 0.6, 0.2)]
-    assert bottleneck(colocated, 1, 1) == pytest.approx(1.2)  # the prompt work on one worker
+    assert bottleneck(IDLE_PREFILL, 0, 2) == pytest.approx((0.1 + 0.95) / 2)
+    assert bottleneck(IDLE_PREFILL, 0, 2, mix_cost=1.5) == pytest.approx((0.15 + 0.95) / 2)  # prompts beside rows
+    assert bottleneck(COLOCATED, 1, 1, mix_cost=1.5) == pytest.approx(max(0.55 / 1.5, 0.6))
 
 
-def test_an_idle_prefill_worker_beside_a_saturated_decode_worker_moves_to_decode():
+def test_a_hot_decode_side_beside_an_idle_prefill_worker_takes_it():
     move = RoleBalancer(margin=0.15).best_move(IDLE_PREFILL)
-    assert (move.address, move.from_role, move.to_role) == ("p0", "prefill", "decode")
+    assert (move.address, move.from_role, move.to_role, move.reason) == ("p0", "prefill", "decode", "utilisation")
     assert move.predicted < move.bottleneck - 0.15
 
 
-def test_a_saturated_prefill_worker_beside_idle_decode_workers_spreads_its_work():
-    loads = [load("p0", "prefill", 0.95, 0.0), load("d0", "decode", 0.0, 0.1), load("d1", "decode", 0.0, 0.15)]
-    b = RoleBalancer()
-    move = b.best_move(loads)  # all three colocated (0.4) beats a second prefill worker (0.475)
-    assert (move.address, move.to_role, move.predicted) == ("p0", "decode", pytest.approx(0.4))
-    b._tpot_split_s = 0.0  # just split for TPOT: the prefill role is held, so a decode worker helps instead
-    move = b.best_move(loads, now_s=1.0)
-    assert (move.address, move.to_role, move.predicted) == ("d0", "prefill", pytest.approx(0.475))
+def test_nothing_moves_while_no_side_is_hot_or_nothing_is_gained():
+    b = RoleBalancer(high=0.75)
+    assert b.best_move([load("p0", "prefill", 0.05, 0.0), load("d0", "decode", 0.0, 0.6)]) is None  # not hot
+    assert b.best_move([load("p", "prefill", 0.8, 0.0), load("d", "decode", 0.0, 0.8)]) is None  # balanced
+    assert b.best_move([load("p", "prefill", 0.0, 0.0), load("d", "decode", 0.0, 0.0)]) is None  # no traffic
+    assert b.best_move([load("d", "decode", 0.5, 0.45)]) is None  # never the last decode worker
+    # moving W2's prefill work onto the decode worker would cost it more than it frees
+    assert b.best_move([load("p0", "prefill", 0.45, 0.0), load("d0", "decode", 0.0, 0.9)]) is None
 
 
-def test_colocated_workers_over_the_tpot_target_split_off_a_prefill_worker():
-    colocated = [load("a", "decode", 0.3, 0.4), load("b", "decode", 0.25, 0.4)]
-    b = RoleBalancer(slo_tpot_s=0.040)
-    assert b.best_move(colocated, tpot_p90_s=0.030) is None  # within the target: utilisation says stay
-    move = b.best_move(colocated, tpot_p90_s=0.060)
-    assert (move.address, move.to_role, move.reason) == ("b", "prefill", "tpot")
+def test_latency_over_target_with_prompts_on_decode_workers_splits_off_a_prefill_worker():
+    b = RoleBalancer(slo_ttft_s=0.4, slo_tpot_s=0.040)
+    assert b.best_move(COLOCATED, ttft_p90_s=0.2, tpot_p90_s=0.030) is None  # within both targets
+    for ttft, tpot in ((0.2, 0.060), (0.9, 0.020)):  # TPOT over, then TTFT over
+        move = b.best_move(COLOCATED, ttft_p90_s=ttft, tpot_p90_s=tpot)
+        assert (move.address, move.to_role, move.reason) == ("b", "prefill", "slo")  # the least busy one
     no_prompts = [load("a", "decode", 0.02, 0.8), load("b", "decode", 0.02, 0.8)]
     assert b.best_move(no_prompts, tpot_p90_s=0.060) is None  # slow without prompt work: splitting cannot help
-    heavy = [load("a", "decode", 0.6, 0.3), load("b", "decode", 0.6, 0.3)]
+    heavy = [load("a", "decode", 0.7, 0.3), load("b", "decode", 0.7, 0.3)]
     assert b.best_move(heavy, tpot_p90_s=0.060) is None  # one prefill worker could not keep up
 
 
-def test_after_a_tpot_split_utilisation_does_not_empty_the_prefill_role_for_hold_s():
+def test_after_an_slo_split_utilisation_does_not_empty_the_prefill_role_for_hold_s():
     b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=0.0, hold_s=60.0)
-    colocated = [load("a", "decode", 0.3, 0.4), load("b", "decode", 0.25, 0.4)]
-    assert b.observe(0.0, colocated, tpot_p90_s=0.060).reason == "tpot"
+    assert b.observe(0.0, COLOCATED, tpot_p90_s=0.060).reason == "slo"
     b.switched(1.0)
     assert b.observe(30.0, IDLE_PREFILL, tpot_p90_s=0.020) is None  # would empty the prefill role: held
     assert b.observe(61.0, IDLE_PREFILL, tpot_p90_s=0.020).to_role == "decode"
-
-
-def test_balanced_or_idle_clusters_stay_as_they_are():
-    b = RoleBalancer()
-    assert b.best_move([load("p", "prefill", 0.5, 0.0), load("d", "decode", 0.0, 0.5)]) is None
-    assert b.best_move([load("p", "prefill", 0.0, 0.0), load("d", "decode", 0.0, 0.0)]) is None  # no traffic
-    assert b.best_move([load("d", "decode", 0.3, 0.6)]) is None  # never the last decode worker
 
 
 def test_a_move_needs_patience_windows_in_a_row_and_then_a_cooldown():
@@ -78,9 +73,9 @@ def test_a_move_needs_patience_windows_in_a_row_and_then_a_cooldown():
 
 def test_one_quiet_window_or_a_drain_resets_the_streak():
     b = RoleBalancer(patience=2, cooldown_s=0.0)
-    balanced = [load("p0", "prefill", 0.5, 0.0), load("d0", "decode", 0.0, 0.5)]
+    quiet = [load("p0", "prefill", 0.1, 0.0), load("d0", "decode", 0.0, 0.3)]
     assert b.observe(1.0, IDLE_PREFILL) is None
-    assert b.observe(2.0, balanced) is None
+    assert b.observe(2.0, quiet) is None
     assert b.observe(3.0, IDLE_PREFILL) is None  # the streak starts again
     assert b.observe(4.0, IDLE_PREFILL, draining=True) is None
     assert b.observe(5.0, IDLE_PREFILL) is None
@@ -88,18 +83,17 @@ def test_one_quiet_window_or_a_drain_resets_the_streak():
 
 
 def test_alternating_loads_never_flip_back_and_forth_within_the_cooldown():
-    b = RoleBalancer(patience=1, cooldown_s=10.0)
-    heavy = [load("p0", "decode", 0.9, 0.05), load("d0", "decode", 0.9, 0.05), load("d1", "decode", 0.9, 0.05)]
+    b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=10.0, hold_s=0.0)
     switches = []
     for t in range(60):
-        loads = IDLE_PREFILL if t % 2 else heavy
-        if b.observe(float(t), loads) is not None:
+        loads, tpot = (IDLE_PREFILL, 0.02) if t % 2 else (COLOCATED, 0.08)
+        if b.observe(float(t), loads, tpot_p90_s=tpot) is not None:
             switches.append(t)
             b.switched(float(t))
-    assert all(b2 - a >= 10 for a, b2 in zip(switches, switches[1:]))
+    assert len(switches) >= 2 and all(b2 - a >= 10 for a, b2 in zip(switches, switches[1:]))
 
 
-@pytest.mark.parametrize("kwargs", [{"margin": 1.0}, {"patience": 0}, {"cooldown_s": -1.0}])
+@pytest.mark.parametrize("kwargs", [{"margin": 1.0}, {"patience": 0}, {"cooldown_s": -1.0}, {"mix_cost": 0.5}])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="role balancer"):
         RoleBalancer(**kwargs)
