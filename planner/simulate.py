@@ -246,7 +246,7 @@ class Simulator:
         times = r.rec.token_times_s
         if self.roles is not None and times:
             tpot = (times[-1] - times[0]) / (len(times) - 1) * 1e9 if len(times) > 1 else None
-            self.roles.rebalancer.observe_request((times[0] - r.rec.sent_s) * 1e9, tpot)
+            self.roles.rebalancer.observe_request((times[0] - r.rec.sent_s) * 1e9, tpot, t)
         if r.decode is not None:
             r.rec.decode_s = t - (r.prefill_end_s + r.rec.kv_transfer_s)
 

@@ -3,26 +3,28 @@
 Every ``window_s`` the router reads each switchable worker's busy time from its stats (nanoseconds
 spent in steps with a prompt chunk and in decode-only steps, ``WorkerStats.prefill_busy_ns`` and
 ``decode_busy_ns``) and turns the growth since the last window into shares of the window, and it
-takes the TTFT p90 and TPOT p90 of the requests completed in the window.
+takes the TTFT p90 and TPOT p90 of the requests completed in the last few seconds (``LATENCY_WINDOW_S``).
 
-**SLO moves first** (NVIDIA Dynamo's planner also acts on measured TTFT and ITL against targets):
-when the window's TTFT p90 or TPOT p90 is over its target (``slo_ttft_s``, ``slo_tpot_s``) while the
-decode workers spend at least ``min_local_share`` of their time in steps with a prompt chunk, a
-decode worker moves to prefill (reason ``slo``): prompt chunks delay the first tokens queued behind
-them and stretch the decode steps they share, which a prefill worker of its own cures (DistServe's
-argument for splitting the phases). It needs a second decode worker, and both sides must keep up
-after it (predicted utilisation under ``1 - margin``). For ``hold_s`` after such a move no
-utilisation move may empty the prefill role again.
+**SLO moves first** (NVIDIA Dynamo's planner also acts on measured latency against targets): when
+the TPOT p90 is over its target (``slo_tpot_s``) while the decode workers spend at least
+``min_local_share`` of their time in steps with a prompt chunk, a decode worker moves to prefill
+(reason ``slo``): prompt chunks stretch the decode steps they share, which a prefill worker of its
+own cures (DistServe's argument for splitting the phases). It needs a second decode worker, both
+sides must stay under ``high`` after it, and the TTFT p90 must be within its target
+(``slo_ttft_s``): after a split the prompts queue on fewer workers, so a TTFT already over target
+would only grow (more prefill capacity is what it calls for, which a hot prefill side gets from the
+utilisation rule). For ``hold_s`` after such a move no utilisation move may empty the
+prefill role again.
 
 **Utilisation moves** balance the busier side, and only when it is hot (at least ``high``): with
 ``P`` prefill and ``D`` decode workers its utilisation is ``max(prefill work / P, decode side / D)``.
 The balancer predicts it after moving one worker either way (never the last decode worker) and
 proposes the move that lowers it by more than ``margin``. Prompt work that moves onto decode workers
 (the last prefill worker leaving: every decode worker then prefills its own requests, which is
-colocated placement) costs ``mix_cost`` times its time on a prefill worker, and prompt work leaving
-decode workers for a new prefill worker 1 / ``mix_cost``: a decode row in a step beside a prompt
-chunk costs 1.3-1.6 times its decode-step time (``pdserve profile``'s mixed fit, docs/measurements.md)
-and the prompt's tokens wait for the rows beside them.
+colocated placement) costs ``mix_cost`` times its time on a prefill worker (prompt work leaving
+decode workers for a new prefill worker is counted at the time it took there): a decode row in a
+step beside a prompt chunk costs 1.3-1.6 times its decode-step time (``pdserve profile``'s mixed
+fit, docs/measurements.md) and the prompt's tokens wait for the rows beside them.
 
 Hysteresis, as NVIDIA Dynamo's SLA planner learnt it (oscillation between two replica counts,
 scaling on no traffic): a move is proposed only after ``patience`` consecutive windows agree on it;
@@ -66,14 +68,14 @@ def bottleneck(loads: list[WorkerLoad], num_prefill: int, num_decode: int, mix_c
     """Utilisation of the busier side if the window's work ran on ``num_prefill`` prefill and
     ``num_decode`` decode workers: prompt work goes to the decode side when ``num_prefill`` is 0
     (times ``mix_cost``), and prompt work done on decode workers moves to the prefill side when
-    there was no prefill worker (divided by ``mix_cost``)."""
+    there was no prefill worker."""
     remote = sum(w.busy for w in loads if w.role == "prefill")
     decode_side = sum(w.busy for w in loads if w.role == "decode")
     if num_prefill == 0:
         return (remote * mix_cost + decode_side) / num_decode
     if not any(w.role == "prefill" for w in loads):  # prompt work now on decode workers moves over
         local = sum(w.prefill_busy for w in loads if w.role == "decode")
-        return max(local / mix_cost / num_prefill, (decode_side - local) / num_decode)
+        return max(local / num_prefill, (decode_side - local) / num_decode)
     return max(remote / num_prefill, decode_side / num_decode)
 
 
@@ -102,13 +104,6 @@ class RoleBalancer:
                 f"got {self.margin}, {self.patience}, {self.cooldown_s}, {self.mix_cost}"
             )
 
-    def over_slo(self, ttft_p90_s: float | None, tpot_p90_s: float | None) -> bool:
-        """Whether a window's TTFT p90 or TPOT p90 (seconds; None: too few requests) is over its target."""
-        return any(
-            slo is not None and p90 is not None and p90 > slo
-            for slo, p90 in ((self.slo_ttft_s, ttft_p90_s), (self.slo_tpot_s, tpot_p90_s))
-        )
-
     def best_move(
         self,
         loads: list[WorkerLoad],
@@ -129,8 +124,9 @@ class RoleBalancer:
             w = min((w for w in loads if w.role == "decode"), key=lambda w: w.busy)
             to_prefill = Move(w.address, "decode", "prefill", now, bottleneck(loads, p + 1, d - 1, self.mix_cost))
             local = sum(w.prefill_busy for w in loads if w.role == "decode") / d
-            fits = to_prefill.predicted < 1.0 - self.margin
-            if self.over_slo(ttft_p90_s, tpot_p90_s) and local >= self.min_local_share and fits:
+            slow = self.slo_tpot_s is not None and tpot_p90_s is not None and tpot_p90_s > self.slo_tpot_s
+            ttft_over = self.slo_ttft_s is not None and ttft_p90_s is not None and ttft_p90_s > self.slo_ttft_s
+            if slow and not ttft_over and local >= self.min_local_share and to_prefill.predicted < self.high:
                 return Move(to_prefill.address, "decode", "prefill", now, to_prefill.predicted, "slo")
         if now < self.high:
             return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -24,6 +25,7 @@ from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 WINDOW_S = 1.0
+LATENCY_WINDOW_S = 5.0  # the latency p90s cover the requests completed this long before a decision
 DRAIN_TIMEOUT_S = 30.0
 SET_ROLE_TIMEOUT_S = 5.0
 
@@ -51,22 +53,27 @@ class RoleRebalancer:
         self.on_switch = on_switch or (lambda a, b: None)
         self._last: dict[str, tuple[int, int]] = {}  # address -> busy ns at the window's start
         self._window_start = time.monotonic() if start_s is None else start_s
-        self._ttft_s: list[float] = []  # TTFT and TPOT of the requests completed this window, seconds
-        self._tpot_s: list[float] = []
+        self._latencies: deque[tuple[float, float, float | None]] = deque()  # (done at, TTFT s, TPOT s)
         self.task: asyncio.Task | None = None  # the switch under way
 
-    def observe_request(self, ttft_ns: float, tpot_ns: float | None) -> None:
-        """A request completed with this TTFT and TPOT (None for one token) at the router,
-        nanoseconds (``pdserve.router.timings``' definitions)."""
-        if len(self._ttft_s) < 100_000:  # a bound per window; the p90 of a sample that large is the same
-            self._ttft_s.append(ttft_ns / 1e9)
-            if tpot_ns is not None:
-                self._tpot_s.append(tpot_ns / 1e9)
+    def observe_request(self, ttft_ns: float, tpot_ns: float | None, at_s: float | None = None) -> None:
+        """A request completed at ``at_s`` (default now, ``time.monotonic``) with this TTFT and TPOT
+        (None for one token) at the router, nanoseconds (``pdserve.router.timings``' definitions)."""
+        if len(self._latencies) < 100_000:  # a bound; the p90 of a sample that large is the same
+            at = time.monotonic() if at_s is None else at_s
+            self._latencies.append((at, ttft_ns / 1e9, None if tpot_ns is None else tpot_ns / 1e9))
 
-    @staticmethod
-    def _p90(values: list[float]) -> float | None:
-        values = sorted(values)
-        return values[int(0.9 * (len(values) - 1))] if len(values) >= 5 else None  # too few to judge: no signal
+    def latency_p90s(self, now_s: float) -> tuple[float | None, float | None]:
+        """TTFT and TPOT p90 (seconds) of the requests completed in the last ``LATENCY_WINDOW_S``;
+        None for either with fewer than 5 values (too few to judge)."""
+        while self._latencies and self._latencies[0][0] < now_s - LATENCY_WINDOW_S:
+            self._latencies.popleft()
+
+        def p90(values: list[float]) -> float | None:
+            values = sorted(values)
+            return values[int(0.9 * (len(values) - 1))] if len(values) >= 5 else None
+
+        return p90([x[1] for x in self._latencies]), p90([x[2] for x in self._latencies if x[2] is not None])
 
     def loads(self, elapsed_s: float) -> list[WorkerLoad]:
         """Each healthy switchable worker's busy shares since the last window (and a new window)."""
@@ -86,8 +93,7 @@ class RoleRebalancer:
         if now_s - self._window_start < self.window_s:
             return None
         loads, self._window_start = self.loads(now_s - self._window_start), now_s
-        ttft, tpot, self._ttft_s, self._tpot_s = self._p90(self._ttft_s), self._p90(self._tpot_s), [], []
-        return self.balancer.observe(now_s, loads, switching, ttft, tpot)
+        return self.balancer.observe(now_s, loads, switching, *self.latency_p90s(now_s))
 
     async def on_refresh(self) -> None:
         move = self.decide(time.monotonic(), self.task is not None and not self.task.done())

@@ -22,7 +22,8 @@ def test_bottleneck_is_the_busier_side_after_the_move_with_mixing_costed():
     assert bottleneck(IDLE_PREFILL, 1, 1) == pytest.approx(0.95)
     assert bottleneck(IDLE_PREFILL, 0, 2) == pytest.approx((0.1 + 0.95) / 2)
     assert bottleneck(IDLE_PREFILL, 0, 2, mix_cost=1.5) == pytest.approx((0.15 + 0.95) / 2)  # prompts beside rows
-    assert bottleneck(COLOCATED, 1, 1, mix_cost=1.5) == pytest.approx(max(0.55 / 1.5, 0.6))
+    prompt_heavy = [load("a", "decode", 0.5, 0.2), load("b", "decode", 0.45, 0.2)]
+    assert bottleneck(prompt_heavy, 1, 1, mix_cost=1.5) == pytest.approx(0.95)  # all its prompts on one worker
 
 
 def test_a_hot_decode_side_beside_an_idle_prefill_worker_takes_it():
@@ -41,12 +42,14 @@ def test_nothing_moves_while_no_side_is_hot_or_nothing_is_gained():
     assert b.best_move([load("p0", "prefill", 0.45, 0.0), load("d0", "decode", 0.0, 0.9)]) is None
 
 
-def test_latency_over_target_with_prompts_on_decode_workers_splits_off_a_prefill_worker():
+def test_tpot_over_target_with_prompts_on_decode_workers_splits_off_a_prefill_worker():
     b = RoleBalancer(slo_ttft_s=0.4, slo_tpot_s=0.040)
     assert b.best_move(COLOCATED, ttft_p90_s=0.2, tpot_p90_s=0.030) is None  # within both targets
-    for ttft, tpot in ((0.2, 0.060), (0.9, 0.020)):  # TPOT over, then TTFT over
-        move = b.best_move(COLOCATED, ttft_p90_s=ttft, tpot_p90_s=tpot)
-        assert (move.address, move.to_role, move.reason) == ("b", "prefill", "slo")  # the least busy one
+    move = b.best_move(COLOCATED, ttft_p90_s=0.2, tpot_p90_s=0.060)
+    assert (move.address, move.to_role, move.reason) == ("b", "prefill", "slo")  # the least busy one
+    # TTFT over target: prompts would queue on one worker instead of two, so no split, TPOT or not
+    assert b.best_move(COLOCATED, ttft_p90_s=0.9, tpot_p90_s=0.020) is None
+    assert b.best_move(COLOCATED, ttft_p90_s=0.9, tpot_p90_s=0.060) is None
     no_prompts = [load("a", "decode", 0.02, 0.8), load("b", "decode", 0.02, 0.8)]
     assert b.best_move(no_prompts, tpot_p90_s=0.060) is None  # slow without prompt work: splitting cannot help
     heavy = [load("a", "decode", 0.7, 0.3), load("b", "decode", 0.7, 0.3)]
@@ -97,3 +100,15 @@ def test_alternating_loads_never_flip_back_and_forth_within_the_cooldown():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="role balancer"):
         RoleBalancer(**kwargs)
+
+
+def test_the_latency_p90s_cover_the_last_seconds_not_only_the_last_window():
+    from pdserve.router.role_switch import LATENCY_WINDOW_S, RoleRebalancer
+
+    r = RoleRebalancer(pool=None, start_s=0.0)
+    for i in range(4):  # 4 requests a second: too few in any one 1 s window, enough over 5 s
+        r.observe_request(0.9e9, 0.02e9, at_s=1.0 + i * 0.25)
+        r.observe_request(0.1e9, None, at_s=2.0 + i * 0.25)
+    ttft, tpot = r.latency_p90s(3.0)
+    assert ttft == pytest.approx(0.9) and tpot is None  # 4 TPOTs only: no TPOT signal
+    assert r.latency_p90s(3.0 + LATENCY_WINDOW_S) == (None, None)  # all older than the window now
