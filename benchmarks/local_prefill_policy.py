@@ -55,7 +55,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, 1000) for _ in range(args.input_len)] for _ in range(args.num_requests)]
     gaps = [rng.expovariate(1.0) for _ in range(args.num_requests)]
-    print(f"profile {args.profile} ({profile['machine'].get('cpu', '?')}, {dtype}, {spec}); split 1 + 1; "
+    print(f"profile {args.profile} ({profile['machine'].get('cpu_model', '?')}, {dtype}, {spec}); split 1 + 1; "
           f"{args.num_requests} requests {args.input_len} in / {args.output_len} out; SLO {args.slo_ttft_ms:g} / "
           f"{args.slo_tpot_ms:g} ms; simulated goodput, req/s")  # fmt: skip
     print("| rule | " + " | ".join(f"{r:g} req/s" for r in rates) + " |")
