@@ -29,6 +29,11 @@ def _cluster_config(args):
     from pdserve.worker.flags import engine_config_from_args
 
     num_prefill, num_decode = _first_roles(args)
+    given = [f for f, v in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)) if v is not None]
+    if given and args.placement != "auto":
+        raise ValueError(
+            f"{' and '.join(given)} set the targets of --placement auto's role switching; add --placement auto"
+        )
     return ClusterConfig(
         engine=engine_config_from_args(args, device="cpu"),
         placement=args.placement,
@@ -52,8 +57,8 @@ def _cluster_config(args):
         routing=args.routing,
         local_prefill_tokens=args.local_prefill_tokens,
         local_prefill_policy=args.local_prefill_policy,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
+        slo_ttft_ms=args.slo_ttft_ms or DEFAULT_SLO_TTFT_MS,
+        slo_tpot_ms=args.slo_tpot_ms or DEFAULT_SLO_TPOT_MS,
     )
 
 
@@ -72,8 +77,10 @@ def _first_roles(args) -> tuple[int, int]:
     try:
         with open(args.plan) as f:
             doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--plan {args.plan}: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"--plan {args.plan}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--plan {args.plan}: not JSON ({exc})") from None
     given = (args.prefill or 0) + (args.decode or 0) or None
     return first_roles(doc, given)
 
@@ -119,13 +126,13 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
     p.add_argument(
         "--slo-ttft-ms",
         type=positive_float,
-        default=DEFAULT_SLO_TTFT_MS,
-        help="auto: the TTFT target role switching keeps (ms)",
+        default=None,
+        help=f"auto: the TTFT target role switching keeps (ms; default {DEFAULT_SLO_TTFT_MS:g})",
     )
     p.add_argument(
         "--slo-tpot-ms",
         type=positive_float,
-        default=DEFAULT_SLO_TPOT_MS,
+        default=None,
         help="auto: the inter-token latency target role switching keeps (ms)",
     )
     p.add_argument(
@@ -156,7 +163,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
         "--local-prefill-tokens",
         type=non_negative_int,
         default=DEFAULT_LOCAL_PREFILL_TOKENS,
-        help="split: the decode worker prefills a request itself when at most this many prompt tokens "
+        help="split and auto: the decode worker prefills a request itself when at most this many prompt tokens "
         "are not in its prefix cache (no KV moves); 0 = only when the policy's load rule says so",
     )
     p.add_argument(

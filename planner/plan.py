@@ -209,14 +209,20 @@ def first_roles(doc: dict, num_workers: int | None = None) -> tuple[int, int]:
     its own requests, and any worker the plan leaves idle as decode. ``num_workers`` (default: the
     plan's) scales the best unit to another cluster size. ValueError for a document that is not a
     plan or a size below the unit."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"not a plan written by pdserve plan (a JSON {type(doc).__name__}, not an object)")
     try:
         best, planned = doc["best"], int(doc["workers"])
         placement, unit = best["placement"], int(best["unit"])
         p, d = (0, 1) if placement == "colocated" else (int(best["num_prefill"]), int(best["num_decode"]))
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"not a plan written by pdserve plan (missing or bad {exc})") from None
+        what = f"no {exc}" if isinstance(exc, KeyError) else f"a bad value: {exc}"
+        raise ValueError(f"not a plan written by pdserve plan ({what})") from None
     n = num_workers or planned
     if n < unit:
-        raise ValueError(f"the plan's best unit {best.get('label', placement)!r} needs {unit} workers, not {n}")
+        raise ValueError(
+            f"the plan's best unit {best.get('label', placement)!r} needs {unit} workers, "
+            f"not {n} (--prefill + --decode)"
+        )
     units = n // unit
     return p * units, n - p * units

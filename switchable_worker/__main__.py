@@ -3,4 +3,8 @@
 from pdserve.switchable_worker.worker import serve
 from pdserve.worker.main import run_worker
 
-run_worker("pdserve switchable worker", serve, prog="python -m pdserve.switchable_worker")
+run_worker(
+    "pdserve switchable worker (starts as a decode worker; WorkerService.SetRole switches it)",
+    serve,
+    prog="python -m pdserve.switchable_worker",
+)

@@ -113,6 +113,7 @@ def test_serve_generate_and_ctrl_c():
         (["bench", "--router", "127.0.0.1"], "expected host:port"),
         (["serve", "--prefill", "0"], "auto may start with no prefill worker"),
         (["serve", "--plan", "plan.json"], "add --placement auto"),
+        (["serve", "--slo-tpot-ms", "30"], "--slo-tpot-ms set the targets of --placement auto"),
         (["bench", "--num-requests", "0"], "must be >= 1"),
         (["bench", "--rate", "-1"], "must be a finite number > 0"),
         (["compare", "--rates", "1,0"], "must be a finite number > 0"),

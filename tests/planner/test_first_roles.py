@@ -24,7 +24,12 @@ def test_colocated_plans_start_every_worker_as_a_decode_worker_that_prefills_its
 
 @pytest.mark.parametrize(
     ("doc", "n", "words"),
-    [({"candidates": []}, None, "not a plan"), (plan("split", 1, 3, 8), 2, "needs 4 workers, not 2")],
+    [
+        ({"candidates": []}, None, "not a plan written by pdserve plan \\(no 'best'\\)"),
+        ([1, 2], None, "a JSON list, not an object"),
+        ({"workers": "many", "best": {"placement": "colocated", "unit": 1}}, None, "a bad value"),
+        (plan("split", 1, 3, 8), 2, "needs 4 workers, not 2"),
+    ],
 )
 def test_bad_plans_get_a_clear_error(doc, n, words):
     with pytest.raises(ValueError, match=words):

@@ -83,6 +83,7 @@ async def test_both_versions_describe_a_served_service(served, path):
     assert {m.name: m.input_type for m in service.method} == {
         "GetStats": ".pdserve.v1.GetStatsRequest",
         "Abort": ".pdserve.v1.WorkerAbortRequest",
+        "SetRole": ".pdserve.v1.SetRoleRequest",
     }
 
 
@@ -146,7 +147,10 @@ async def test_grpcio_reflection_client_reads_the_services_and_their_methods(ser
 
     services, methods = await asyncio.wait_for(asyncio.to_thread(read), WAIT_S)
     assert services == EXPECTED
-    assert methods == {"pdserve.v1.WorkerService": ["GetStats", "Abort"], "pdserve.v1.PrefillService": ["Prefill"]}
+    assert methods == {
+        "pdserve.v1.WorkerService": ["GetStats", "Abort", "SetRole"],
+        "pdserve.v1.PrefillService": ["Prefill"],
+    }
 
 
 async def test_health_reports_every_service_serving_and_follows_its_servicer(served):
