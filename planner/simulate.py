@@ -32,6 +32,7 @@ from pdserve.planner.virtual_runner import VirtualClock, VirtualRunner
 from pdserve.router.local_prefill import LocalPrefill, local_prefill_reason
 from pdserve.router.pool import STATS_INTERVAL_S, Overloaded, WorkerHandle, WorkerPool
 from pdserve.router.split_backend import KV_TIMEOUT_S
+from pdserve.v1 import worker_pb2
 
 ARRIVE, STEP, KV = 0, 1, 2
 
@@ -140,17 +141,10 @@ class Simulator:
 
     def _poll(self, t: float) -> None:
         """The router's stats poll (``WorkerPool.refresh``) of every worker, at the last tick <= t."""
-        for w in self.workers:
-            s, h = w.engine.stats(), w.handle
-            h.free_kv_blocks, h.block_size, h.routed_blocks_since_poll = s["free_kv_blocks"], s["block_size"], 0
-            h.total_kv_blocks = s["free_kv_blocks"] + s["used_kv_blocks"]
-            h.num_running, h.num_waiting = s["num_running"], s["num_waiting"] + w.awaiting_kv
-            h.used_kv_blocks, h.fingerprint, h.cached_kv_blocks = (
-                s["used_kv_blocks"],
-                s["model_fingerprint"],
-                s["cached_kv_blocks"],
-            )
-            h.prefill_busy_ns, h.decode_busy_ns = s["prefill_busy_ns"], s["decode_busy_ns"]
+        for w in self.workers:  # what GetStats would answer, taken as the pool takes it
+            s = w.engine.stats()
+            stats = worker_pb2.WorkerStats(**s, num_awaiting_kv=w.awaiting_kv, switchable=w.handle.switchable)
+            w.handle.apply_stats(stats)
         if self.roles is not None:
             self.roles.tick(t)
         self._next_poll = (math.floor(t / STATS_INTERVAL_S) + 1) * STATS_INTERVAL_S
