@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from dataclasses import replace
 
 
 def main() -> int:
@@ -70,7 +69,7 @@ def main() -> int:
                 specs.append(RequestSpec(i, t, tuple(ids), args.output_len, "random"))
             cfg = SimConfig(engine, "split", 1, 1, local_prefill_tokens=rule.tokens, local_prefill_policy=rule.policy)
             sim = Simulator(cfg, model, dtype)
-            sim.local_prefill = replace(rule)
+            sim.local_prefill = rule  # SimConfig carries the tokens and policy; the thresholds come from here
             row.append(summarize(sim.run(specs), slo)["goodput_rps"])
         table[name] = row
     best = [max(table, key=lambda n: table[n][i]) for i in range(len(rates))]

@@ -19,12 +19,10 @@ from pdserve.worker.flags import add_engine_args, non_negative_int, port, positi
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
-DEFAULT_SLO_TTFT_MS = 400.0
-DEFAULT_SLO_TPOT_MS = 40.0  # as cluster/config.py (not imported here: the parser stays light)
 
 
 def _cluster_config(args):
-    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.config import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, ClusterConfig
     from pdserve.rpc.auth import API_KEY_ENV, parse_api_keys
     from pdserve.worker.flags import engine_config_from_args
 
@@ -111,6 +109,8 @@ def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
 
 
 def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
+    from pdserve.cluster.config import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
+
     add_engine_args(p)
     p.add_argument(
         "--placement",
@@ -133,7 +133,7 @@ def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_POR
         "--slo-tpot-ms",
         type=positive_float,
         default=None,
-        help="auto: the inter-token latency target role switching keeps (ms)",
+        help=f"auto: the TPOT target role switching keeps (ms; default {DEFAULT_SLO_TPOT_MS:g})",
     )
     p.add_argument(
         "--cpus-per-worker", type=positive_int, default=1, help="CPUs (and torch threads) per worker without GPUs"

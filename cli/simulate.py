@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from pdserve.cli.serve import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, add_routing_args
+from pdserve.cli.serve import add_routing_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
 from pdserve.worker.flags import non_negative_float, non_negative_int, positive_float, positive_int
 
@@ -73,6 +73,7 @@ def read_profile(path: str) -> tuple:
 
 def cmd_simulate(args) -> int:
     from pdserve.cli.bench import first_errors, prepare_out_dir, print_summary, write_results
+    from pdserve.cluster.config import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
     from pdserve.loadgen.metrics import prefix_reuse_ceiling, summarize
