@@ -7,13 +7,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pdserve.engine.models.registry import (
+    SUPPORTED_ARCHITECTURES,  # noqa: F401  (its former home)
+    Family,
+    family,
+)
+
 KV_DTYPES = ("float32", "float16", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
+    """Shape of a decoder of one of the families in ``pdserve.engine.models.registry``, read from a
+    Hugging Face ``config.json`` (the ``text_config`` inside it, when there is one).
+
+    ``layer_windows`` holds each layer's sliding window (None: full attention); ``sliding_window`` is
+    the window when any layer has one. Mixture-of-experts models route each token to
+    ``num_experts_per_tok`` of ``num_experts`` gated MLPs of ``moe_intermediate_size`` in the layers
+    ``moe_layers`` (the others have a dense MLP of ``intermediate_size``)."""
 
     architecture: str
     vocab_size: int
@@ -29,15 +41,23 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    sliding_window: int | None = None  # each query attends to at most this many latest positions (Mistral, Qwen2)
+    sliding_window: int | None = None  # each query attends to at most this many latest positions
     torch_dtype: str = "float32"  # the checkpoint's dtype (config.json ``dtype`` / ``torch_dtype``)
+    layer_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         """Read ``folder/config.json``.
 
-        Raises FileNotFoundError when it is missing and ValueError for an architecture other than
-        Llama, Mistral or Qwen2, an activation other than SiLU or an unsupported RoPE scaling.
+        Raises FileNotFoundError when it is missing and ValueError for an architecture pdserve does
+        not run (the message lists those it does), an activation other than SiLU or an unsupported
+        RoPE scaling.
         """
         path = Path(folder) / "config.json"
         if not path.is_file():
@@ -45,48 +65,75 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json`` (see ``from_folder`` for errors)."""
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        fam = family(arch)
+        cfg = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # the forward pass hard-codes SiLU (swish is its other name)
             raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
-        rope_scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters")
-        if isinstance(rope_params, dict):  # transformers >= 5 layout
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if kind not in ("default", "linear", "llama3"):
-                raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-            if kind == "default":
-                rope_scaling = None
+        rope_theta, rope_scaling = _rope(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        num_layers = int(cfg["num_hidden_layers"])
+        windows = _layer_windows(cfg, fam, num_layers)
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            sliding_window=_sliding_window(cfg, arch),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+            attention_bias=bool(cfg.get("attention_bias", fam.qkv_bias)),
+            sliding_window=max((w for w in windows if w is not None), default=None),
             torch_dtype=_checkpoint_dtype(cfg),
+            layer_windows=windows,
+            qk_norm=fam.qk_norm,
+            num_experts=num_experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if fam.norm_topk_prob is None else fam.norm_topk_prob,
+            moe_layers=tuple(i for i in range(num_layers) if num_experts and i not in dense and (i + 1) % step == 0),
         )
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling parameters or None) from ``rope_parameters`` (transformers >= 5) or the
+    older ``rope_scaling`` and top-level ``rope_theta``; ValueError for a scaling pdserve lacks."""
+    rope_scaling = cfg.get("rope_scaling") or None
+    rope_theta = cfg.get("rope_theta")
+    rope_params = cfg.get("rope_parameters")
+    if isinstance(rope_params, dict):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+    if rope_scaling is not None:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind == "dynamic":
+            raise ValueError(
+                "unsupported rope scaling 'dynamic': its frequencies follow each sequence's length, so keys "
+                f"cached earlier would not match; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+        if kind == "default":
+            rope_scaling = None
+        elif kind in ("llama3", "yarn"):  # transformers' standardize_rope_params
+            old = cfg.get("original_max_position_embeddings")
+            fallback = rope_scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": old or fallback}
+    return float(rope_theta if rope_theta is not None else 10000.0), rope_scaling
 
 
 def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
@@ -95,12 +142,18 @@ def _checkpoint_dtype(cfg: dict[str, Any]) -> str:
     return name if name in KV_DTYPES else "float32"
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """Window size when the checkpoint uses sliding-window attention (Qwen2 only with use_sliding_window)."""
+def _layer_windows(cfg: dict[str, Any], fam: Family, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers applies ``sliding_window`` for the family."""
     window = cfg.get("sliding_window")
-    if not window or (arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False)):
-        return None
-    return int(window)
+    if not window or (fam.window_flag and not cfg.get("use_sliding_window", False)):
+        return (None,) * num_layers
+    if not fam.layer_types:
+        return (int(window),) * num_layers
+    types = cfg.get("layer_types")
+    if not types:
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types[:num_layers])
 
 
 # Step token budgets by worker role when --max-num-batched-tokens is not given. Prefill workers

@@ -12,9 +12,9 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.models.attention import AttentionMetadata, select_backend
 from pdserve.engine.models.dtype import resolve_dtype
-from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.models.loader import load_weights
 from pdserve.engine.models.ops import select_ops
+from pdserve.engine.models.registry import family_module
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduling.scheduler import Batch
 from pdserve.engine.scheduling.sequence import Sequence
@@ -44,17 +44,17 @@ class ModelRunner:
         self.dtype_name, self.dtype_reason = resolve_dtype(cfg.dtype, mc.torch_dtype, self.device)
         log.info("dtype %s: %s", self.dtype_name, self.dtype_reason)
         self.dtype = getattr(torch, self.dtype_name)
-        attention = select_backend(
-            cfg.attention_backend,
-            self.device,
-            self.dtype,
-            mc.num_heads,
-            mc.num_kv_heads,
-            mc.head_dim,
-            mc.sliding_window,
-        )
-        self.model = LlamaModel(
-            mc, load_weights(model_dir, mc, self.dtype, cfg.device), attention, select_ops(self.device, self.dtype)
+        backends = {  # one per distinct sliding window
+            window: select_backend(
+                cfg.attention_backend, self.device, self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, window
+            )
+            for window in dict.fromkeys(mc.layer_windows)
+        }
+        self.model = family_module(mc.architecture).build(
+            mc,
+            load_weights(model_dir, mc, self.dtype, cfg.device),
+            lambda layer: backends[mc.layer_windows[layer]],
+            select_ops(self.device, self.dtype),
         )
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.embedded import resolve_embedded
 from pdserve.engine.models.gguf import resolve_gguf
+from pdserve.engine.models.registry import family_module
 
 _HUB_FILES = [
     "config.json",
@@ -114,22 +115,15 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: str
         for key, tensor in load_file(str(folder / name), device="cpu").items():
             if key.startswith("model.") or key == "lm_head.weight":
                 weights[key] = tensor.to(device=device, dtype=dtype)
-    for key in required_tensor_names(cfg):
+    module = family_module(cfg.architecture)
+    if hasattr(module, "normalize"):  # another checkpoint layout of the same tensors
+        module.normalize(weights, cfg)
+    for key in module.tensor_names(cfg):
         if key not in weights:
             raise KeyError(f"weights in {folder} lack tensor {key!r}")
     return weights
 
 
 def required_tensor_names(cfg: ModelConfig) -> list[str]:
-    """Hugging Face names of the tensors the forward pass needs."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if cfg.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
+    """Hugging Face names of the tensors the forward pass of ``cfg``'s family needs."""
+    return family_module(cfg.architecture).tensor_names(cfg)

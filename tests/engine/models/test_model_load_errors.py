@@ -61,13 +61,14 @@ def test_missing_tensor(cases, tmp_path, name, tensor):
         (
             {
                 "rope_parameters": {
-                    "rope_type": "yarn",
-                    "factor": 4.0,
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [4.0] * 8,
                     "original_max_position_embeddings": 64,
                     "rope_theta": 10000.0,
                 }
             },
-            "yarn",
+            "longrope",
         ),
         ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ],

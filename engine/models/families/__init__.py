@@ -1,0 +1,1 @@
+"""One module per model family; ``pdserve.engine.models.registry`` says which runs which architecture."""
