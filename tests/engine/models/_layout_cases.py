@@ -28,6 +28,9 @@ LLAMA3 = {
     "original_max_position_embeddings": 64,
 }
 
+# YaRN with its defaults (beta_fast 32, beta_slow 1) and the attention factor from ``factor``
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
 
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(1234)
@@ -41,9 +44,17 @@ def _spec(name: str):
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
+
+    three = {**BASE, "num_hidden_layers": 3}
 
     specs = {
         # GQA with 4 query heads per KV head, untied lm_head, non-default rope_theta
@@ -68,6 +79,37 @@ def _spec(name: str):
         "llama_attn_bias": (LlamaForCausalLM, LlamaConfig(**BASE, attention_bias=True), {}),
         # gate/up/down biases in a Llama
         "llama_mlp_bias": (LlamaForCausalLM, LlamaConfig(**BASE, mlp_bias=True), {}),
+        "yarn_rope": (LlamaForCausalLM, LlamaConfig(**BASE, rope_scaling=dict(YARN)), {}),
+        # q/k norm, head_dim 32 while hidden / heads = 16, tied embeddings
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True), {}),
+        # a window of 16 in layers from max_window_layers = 1 on only (layer_types)
+        "qwen3_window": (
+            Qwen3ForCausalLM,
+            Qwen3Config(**three, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+            {},
+        ),
+        # routed experts in layers 0 and 2 (layer 1 in mlp_only_layers), weights not renormalised
+        "qwen3_moe": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **three, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1]
+            ),
+            {},
+        ),
+        # experts in every second layer (decoder_sparse_step), top 3 of 8 renormalised
+        "qwen3_moe_norm": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **three,
+                num_experts=8,
+                num_experts_per_tok=3,
+                moe_intermediate_size=32,
+                norm_topk_prob=True,
+                decoder_sparse_step=2,
+            ),
+            {},
+        ),
+        "mixtral": (MixtralForCausalLM, MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2), {}),
     }
     return specs[name]
 
@@ -82,9 +124,15 @@ LAYOUTS = [
     "head_dim",
     "llama_attn_bias",
     "llama_mlp_bias",
+    "yarn_rope",
+    "qwen3",
+    "qwen3_window",
+    "qwen3_moe",
+    "qwen3_moe_norm",
+    "mixtral",
 ]
 # checkpoints rewritten into the transformers 4 config.json layout (rope_scaling + top-level rope_theta)
-LEGACY = ["legacy_llama3_rope", "legacy_linear_rope"]
+LEGACY = ["legacy_llama3_rope", "legacy_linear_rope", "legacy_yarn_rope"]
 
 
 def _to_legacy(folder: Path) -> None:

@@ -9,6 +9,7 @@ the logits of a prefill (every position) and of a paged decode step match ``tran
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,8 @@ def test_layout_files_are_what_the_cases_claim(cases):
         ("linear_rope", "linear"),
         ("legacy_llama3_rope", "llama3"),
         ("legacy_linear_rope", "linear"),
+        ("yarn_rope", "yarn"),
+        ("legacy_yarn_rope", "yarn"),
     ]:
         case = cases(name)
         raw = json.loads((case.folder / "config.json").read_text())
@@ -103,6 +106,26 @@ def test_layout_files_are_what_the_cases_claim(cases):
         plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         assert not torch.allclose(case.engine.runner.model.inv_freq, plain)
         assert case.hf.config.rope_parameters["rope_type"] == kind  # transformers read the same file
+
+    yarn = cases("yarn_rope").engine.runner.model
+    assert yarn.attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert cases("yarn_rope").hf.model.rotary_emb.attention_scaling == pytest.approx(yarn.attention_scaling)
+
+
+def test_family_files_are_what_the_cases_claim(cases):
+    q3 = ModelConfig.from_folder(cases("qwen3").folder)
+    assert (q3.architecture, q3.qk_norm, q3.head_dim, q3.attention_bias) == ("Qwen3ForCausalLM", True, 32, False)
+    assert q3.layer_windows == (None, None) and q3.moe_layers == ()
+    window = ModelConfig.from_folder(cases("qwen3_window").folder)
+    assert window.layer_windows == (None, 16, 16) and window.sliding_window == 16
+    moe = ModelConfig.from_folder(cases("qwen3_moe").folder)
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (4, 2, 48)
+    assert moe.moe_layers == (0, 2) and not moe.norm_topk_prob and moe.qk_norm
+    norm = ModelConfig.from_folder(cases("qwen3_moe_norm").folder)
+    assert norm.moe_layers == (1,) and norm.norm_topk_prob and norm.num_experts_per_tok == 3
+    mixtral = ModelConfig.from_folder(cases("mixtral").folder)
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_layers) == (4, 2, (0, 1))
+    assert mixtral.norm_topk_prob and not mixtral.qk_norm
 
 
 # -- paging ----------------------------------------------------------------------------------------
