@@ -17,6 +17,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, describe_scheduling
 from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
+from pdserve.engine.kv.fingerprint import layer_layout
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import config_hash, resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
@@ -98,6 +99,7 @@ class LLMEngine:
             self.tokenizer.content_hash,
             weights_hash(self.model_dir),
             config_hash(self.model_dir),
+            layer_layout([mc.head_dim] * mc.num_layers, list(mc.layer_windows)),
         )
         self._digest = self.fingerprint.digest()
         self._pinned: dict[str, Sequence] = {}  # request id -> prefix held for its coming KV (pin_prefix)

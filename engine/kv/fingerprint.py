@@ -28,6 +28,9 @@ class ModelFingerprint:
     the same shapes and tokenizer is told apart; ``config_hash`` that of config.json
     (``loader.config_hash``), so that the same weights under another RoPE base or scaling, norm
     epsilon or activation, which would compute other keys and values, are told apart too.
+    ``architecture`` names the model family's architecture (config.json ``architectures[0]``), so
+    KV from another family is refused by name, and ``layers`` each layer's KV layout
+    (``layer_layout``: head_dim and sliding window).
     """
 
     architecture: str
@@ -39,6 +42,7 @@ class ModelFingerprint:
     tokenizer_hash: str
     weights_hash: str = "-"
     config_hash: str = "-"
+    layers: str = "-"
 
     def to_dict(self) -> dict:
         """Plain dict of all fields, suitable for msgpack."""
@@ -79,3 +83,15 @@ class ModelFingerprint:
         """Differences as ``"<field> <self value> != <other value>"``; [] when equal."""
         pairs = [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)]
         return [f"{name} {a!r} != {b!r}" for name, a, b in pairs if a != b]
+
+
+def layer_layout(head_dims: list[int], windows: list[int | None]) -> str:
+    """Each layer's KV layout, runs of equal layers counted: ``"2x64/full,1x64/w4096"`` is two layers
+    of head_dim 64 with full attention, then one that keeps a sliding window of 4096 positions."""
+    runs: list[list] = []
+    for item in (f"{d}/{'full' if w is None else f'w{w}'}" for d, w in zip(head_dims, windows, strict=True)):
+        if runs and runs[-1][1] == item:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, item])
+    return ",".join(f"{n}x{item}" for n, item in runs)

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint
+from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, layer_layout
 from pdserve.engine.llm_engine import LLMEngine
 
 BASE = ModelFingerprint("LlamaForCausalLM", 4, 2, 32, "float32", 16, "a" * 64, "b" * 64)
@@ -51,8 +51,8 @@ def test_mismatches_lists_each_differing_field():
 
 
 def test_the_hashes_default_to_a_placeholder_that_still_counts():
-    bare = ModelFingerprint(*dataclasses.astuple(BASE)[:-2])
-    assert bare.weights_hash == bare.config_hash == "-"
+    bare = ModelFingerprint(*dataclasses.astuple(BASE)[:7])
+    assert bare.weights_hash == bare.config_hash == bare.layers == "-"
     assert bare.digest() != BASE.digest()
 
 
@@ -120,6 +120,19 @@ def test_the_engine_reports_its_model_and_cache_layout(embedded_dir, base_fp):
     assert base_fp.head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]
     assert (base_fp.dtype, base_fp.block_size) == ("float32", 16)
     assert len(base_fp.tokenizer_hash) == 64 and len(base_fp.weights_hash) == 64
+    assert base_fp.layers == f"{cfg['num_hidden_layers']}x{base_fp.head_dim}/full"
+
+
+def test_layer_layout_counts_runs_of_equal_layers():
+    assert layer_layout([64] * 3, [None] * 3) == "3x64/full"
+    assert layer_layout([64, 64, 64, 128], [None, 4096, 4096, None]) == "1x64/full,2x64/w4096,1x128/full"
+
+
+def test_a_sliding_window_changes_it(base_fp, model_copy):
+    edit_config(model_copy, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    fp = engine_fp(model_copy)
+    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["architecture", "config_hash", "layers"]
+    assert fp.layers == f"{fp.num_layers}x{fp.head_dim}/w64"
 
 
 @pytest.mark.parametrize(
@@ -175,7 +188,7 @@ def test_the_same_weights_read_with_other_heads_change_it(base_fp, model_copy):
     same bytes, but the KV cache is laid out differently."""
     edit_config(model_copy, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     fp = engine_fp(model_copy)
-    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_kv_heads", "head_dim", "config_hash"]
+    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_kv_heads", "head_dim", "config_hash", "layers"]
     assert fp.weights_hash == base_fp.weights_hash
 
 
@@ -191,7 +204,7 @@ def test_fewer_layers_change_it(base_fp, model_copy):
     save_file(kept, model_copy / "model.safetensors", metadata={"format": "pt"})
     edit_config(model_copy, num_hidden_layers=2)
     fp = engine_fp(model_copy)
-    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_layers", "weights_hash", "config_hash"]
+    assert [m.split()[0] for m in base_fp.mismatches(fp)] == ["num_layers", "weights_hash", "config_hash", "layers"]
 
 
 @pytest.mark.parametrize(
