@@ -145,6 +145,20 @@ def moe_block(cfg: ModelConfig, w: Weights, router: str, expert_names, ops: Elem
     return MoE(make_linear(w[router]), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
+def unstack_experts(w: Weights, stacked: str, num_experts: int, expert_names) -> None:
+    """Split transformers' stacked expert tensors, ``{stacked}gate_up_proj`` [E, 2 * inter, hidden]
+    and ``{stacked}down_proj`` [E, hidden, inter], into per-expert weights named by
+    ``expert_names(e)`` (gate, up, down prefixes), in place; nothing when the checkpoint has none."""
+    gate_up = w.pop(stacked + "gate_up_proj", None)
+    if gate_up is None:
+        return
+    down = w.pop(stacked + "down_proj")
+    for e in range(num_experts):
+        gate, up, down_name = expert_names(e)
+        w[gate + ".weight"], w[up + ".weight"] = gate_up[e].chunk(2, dim=0)
+        w[down_name + ".weight"] = down[e]
+
+
 def attention_tensor_names(cfg: ModelConfig, prefix: str) -> list[str]:
     """Tensors ``attention_block`` needs at ``prefix``."""
     names = [prefix + f"{x}_proj.weight" for x in "qkvo"]

@@ -128,6 +128,36 @@ def test_family_files_are_what_the_cases_claim(cases):
     assert mixtral.norm_topk_prob and not mixtral.qk_norm
 
 
+@pytest.mark.parametrize(
+    ("name", "moe", "proj"),
+    [
+        ("qwen3_moe", "mlp.", ("gate_proj", "up_proj", "down_proj")),
+        ("mixtral", "block_sparse_moe.", ("w1", "w3", "w2")),
+    ],
+)
+def test_stacked_expert_checkpoints_give_the_same_tokens(cases, tmp_path, name, moe, proj):
+    """The same weights saved as transformers 5 holds them in memory: ``mlp.gate`` and each layer's
+    experts stacked into ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    case = cases(name)
+    folder = Path(shutil.copytree(case.folder, tmp_path / name))
+    w = load_file(str(folder / "model.safetensors"))
+    cfg = ModelConfig.from_folder(folder)
+    for i in cfg.moe_layers:
+        old, new = f"model.layers.{i}.{moe}", f"model.layers.{i}.mlp."
+        names = [[f"{old}experts.{e}.{x}.weight" for x in proj] for e in range(cfg.num_experts)]
+        w[new + "gate.weight"] = w.pop(old + "gate.weight")
+        w[new + "experts.gate_up_proj"] = torch.stack([torch.cat((w.pop(g), w.pop(u))) for g, u, _ in names])
+        w[new + "experts.down_proj"] = torch.stack([w.pop(d) for _, _, d in names])
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    engine = make_engine(folder, 16)
+    ours = engine.generate(case.prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    _assert_same_tokens(ours, case.ref)
+
+
 # -- paging ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_block_size_does_not_change_tokens(cases, block_size):

@@ -28,8 +28,10 @@ def _copy(cases, tmp_path: Path, name: str = "llama_gqa") -> Path:
 def test_unsupported_architecture(cases, tmp_path):
     folder = _copy(cases, tmp_path)
     edit_config(folder, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
         LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
+    supported = str(info.value).split("supported: ")[1].split(", ")
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"} <= set(supported)
 
 
 def test_missing_safetensors(cases, tmp_path):
