@@ -87,10 +87,14 @@ def memory_gbps(device: torch.device, nbytes: int = 1 << 29) -> float:
 
 
 def model_flops_per_token(mc: ModelConfig) -> int:
-    """2 x the weights every token multiplies: q|k|v, o, gate|up, down per layer, plus lm_head."""
+    """2 x the weights every token multiplies: q|k|v, o, gate|up, down per layer (in a layer of routed
+    experts: the router and ``num_experts_per_tok`` experts' gate|up, down), plus lm_head."""
     d, h = mc.head_dim, mc.hidden_size
-    per_layer = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
-    return 2 * (mc.num_layers * per_layer + h * mc.vocab_size)
+    attention = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h
+    moe = len(mc.moe_layers)
+    mlp = (mc.num_layers - moe) * 3 * h * mc.intermediate_size
+    mlp += moe * h * (mc.num_experts + 3 * mc.num_experts_per_tok * mc.moe_intermediate_size)
+    return 2 * (mc.num_layers * attention + mlp + h * mc.vocab_size)
 
 
 def weight_bytes(mc: ModelConfig, itemsize: int) -> int:

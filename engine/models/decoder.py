@@ -44,13 +44,20 @@ class PreNormLayer:
 
 class CausalLM:
     """Weights plus the forward pass. ``layers`` are callables as ``PreNormLayer``; ``first_norm`` is
-    the first layer's input norm. The weights were fused and packed by the blocks; the Hugging Face
-    tensors are not kept."""
+    the first layer's input norm; ``attention`` the backend of the first layer (each sliding window
+    has an instance of its own, all of one kind). The weights were fused and packed by the blocks;
+    the Hugging Face tensors are not kept."""
 
     def __init__(
-        self, cfg: ModelConfig, w: Weights, layers: list, first_norm: torch.Tensor, ops: ElementwiseOps
+        self,
+        cfg: ModelConfig,
+        w: Weights,
+        layers: list,
+        first_norm: torch.Tensor,
+        attention: AttentionBackend,
+        ops: ElementwiseOps,
     ) -> None:
-        self.cfg, self.layers, self.first_norm, self.ops = cfg, layers, first_norm, ops
+        self.cfg, self.layers, self.first_norm, self.attention, self.ops = cfg, layers, first_norm, attention, ops
         self.embed = w["model.embed_tokens.weight"]
         inv_freq, self.attention_scaling = rope_parameters(cfg)
         self.inv_freq = inv_freq.to(self.embed.device)
@@ -102,7 +109,7 @@ def pre_norm_decoder(
         attn = attention_block(cfg, w, p + "self_attn.", attention(i), ops)
         post = w[p + "post_attention_layernorm.weight"]
         layers.append(PreNormLayer(attn, post, mlp(i, p), nxt, ops, cfg.rms_norm_eps))
-    return CausalLM(cfg, w, layers, w["model.layers.0.input_layernorm.weight"], ops)
+    return CausalLM(cfg, w, layers, w["model.layers.0.input_layernorm.weight"], attention(0), ops)
 
 
 def pre_norm_tensor_names(cfg: ModelConfig, mlp: Callable[[int, str], list[str]]) -> list[str]:
