@@ -36,6 +36,7 @@ def main() -> int:
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.metrics import SLO, summarize
     from pdserve.loadgen.workload import RequestSpec
+    from pdserve.planner.host_cpu import ServingModel
     from pdserve.planner.simulate import SimConfig, Simulator
     from pdserve.planner.step_model import StepModel
     from pdserve.router import local_prefill
@@ -44,6 +45,7 @@ def main() -> int:
     with open(args.profile) as f:
         profile = json.load(f)
     model, spec, dtype = StepModel.from_profile(profile), profile["settings"]["model_spec"], profile["machine"]["dtype"]
+    serving = ServingModel.from_profile(profile)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     engine = EngineConfig(model=spec, enable_prefix_caching=False)
     rules = {"prefix": LocalPrefill(32, "prefix")}
@@ -68,7 +70,7 @@ def main() -> int:
                 t += gap / rate
                 specs.append(RequestSpec(i, t, tuple(ids), args.output_len, "random"))
             cfg = SimConfig(engine, "split", 1, 1, local_prefill_tokens=rule.tokens, local_prefill_policy=rule.policy)
-            sim = Simulator(cfg, model, dtype)
+            sim = Simulator(cfg, model, dtype, serving)
             sim.local_prefill = rule  # SimConfig carries the tokens and policy; the thresholds come from here
             row.append(summarize(sim.run(specs), slo)["goodput_rps"])
         table[name] = row

@@ -12,7 +12,7 @@ import math
 import time
 from pathlib import Path
 
-from pdserve.cli.simulate import add_worker_size_args
+from pdserve.cli.simulate import add_host_cores_arg, add_worker_size_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
 from pdserve.worker.flags import non_negative_int, positive_fraction, positive_int
 
@@ -62,6 +62,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--max-probe-requests", type=positive_int, default=100, help="cap on the requests of one probe")
     p.add_argument("--search-steps", type=non_negative_int, default=4, help="bisections after bracketing the rate")
     add_worker_size_args(p)
+    add_host_cores_arg(p)
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix-aware")
     p.add_argument("--out", default=f"plan_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
     add_workload_args(p)
@@ -84,7 +85,7 @@ def cmd_plan(args) -> int:
     slo = slo_from_args(args)
     if slo is None:
         raise ValueError("plan needs an SLO: give --slo-ttft-ms and --slo-tpot-ms")
-    model, spec, dtype = read_profile(args.profile)
+    model, spec, dtype, serving = read_profile(args.profile)
     engine = EngineConfig(
         model=spec,
         block_size=args.block_size,
@@ -104,7 +105,7 @@ def cmd_plan(args) -> int:
     cands = candidates(args.workers, args.max_unit, args.local_prefill_tokens, args.max_num_seqs)
     planner = Planner(
         engine, model, dtype, slo, args.attainment, args.routing, args.max_requests_per_worker, args.search_steps,
-        args.rates, args.max_probe_requests,
+        args.rates, args.max_probe_requests, serving, args.host_cores / args.workers,
     )  # fmt: skip
     print(f"searching {len(cands)} candidates with {len(specs)} requests each probe; {SCALING_NOTE}", flush=True)
     t0 = time.perf_counter()
@@ -128,6 +129,8 @@ def cmd_plan(args) -> int:
         "requests_per_probe": len(specs),
         "simulations": planner.simulations,
         "scaling": SCALING_NOTE,
+        "host_cores": args.host_cores,
+        "serving_costs": serving is not None,
         "best": best,
         "candidates": rows,
     }

@@ -38,6 +38,13 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--out", default="profile.json", help="the profile JSON to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a few small points of each kind (seconds, for tests)")
     p.add_argument("--repeats", type=positive_int, default=None, help="timed runs per point (default 5, 3 quick)")
+    p.add_argument(
+        "--no-serving",
+        dest="serving",
+        action="store_false",
+        help="skip the serving section (a real worker, router and client on loopback: the time a step and a "
+        "token take beyond the engine's); simulate then charges the engine's steps only",
+    )
     grid = (
         ("--prefill-tokens", "uncached prompt tokens of the prefill steps"),
         ("--cached-tokens", "cached prefix lengths, tokens (whole KV blocks)"),
@@ -68,7 +75,12 @@ def cmd_profile(args) -> int:
     cfg = engine_config_from_args(args)
     if cfg.device == "cpu" and cfg.torch_threads is None:  # a worker's threads: serve's --cpus-per-worker 1
         cfg = replace(cfg, torch_threads=1)
-    profile = run_profile(cfg, grid, set(chosen), lambda line: print(line, flush=True))
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    profile = run_profile(cfg, grid, set(chosen), say)
+    if args.serving:
+        from pdserve.planner.serving import add_serving
+
+        add_serving(profile, cfg, args.quick, say)
     print(format_fits(profile))
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)
@@ -81,6 +93,7 @@ SCALES = {
     "s/token": (1e6, "us/token"),
     "s/token^2": (1e9, "ns/token^2"),
     "s/sequence": (1e6, "us/seq"),
+    "s/request": (1e3, "ms/request"),
     "s/context token": (1e9, "ns/ctx token"),
     "bytes/s": (1e-9, "GB/s"),
 }

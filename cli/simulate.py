@@ -35,7 +35,10 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--target-itl-ms", type=positive_float, default=None, help="as pdserve serve")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     add_routing_args(p)
-    p.add_argument("--relay-ms", type=non_negative_float, default=0.0, help="router relay of each token, ms")
+    p.add_argument(
+        "--relay-ms", type=non_negative_float, default=0.0, help="relay time of each token beyond the profile's, ms"
+    )
+    add_host_cores_arg(p)
     p.add_argument("--rate", type=positive_float, default=None, help="mean request rate, req/s")
     p.add_argument("--out", default=f"sim_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
     add_workload_args(p)
@@ -53,9 +56,21 @@ def add_worker_size_args(p) -> None:
     p.add_argument("--max-requests-per-worker", type=non_negative_int, default=512, help="as pdserve serve; 0: none")
 
 
+def add_host_cores_arg(p) -> None:
+    """``--host-cores`` (simulate and plan)."""
+    p.add_argument(
+        "--host-cores",
+        type=non_negative_float,
+        default=0.0,
+        help="the workers share this many cores with the router and the load generator, as on one machine "
+        "(the profile's serving costs decide the router's share); 0 (default): each worker has cores of its own",
+    )
+
+
 def read_profile(path: str) -> tuple:
-    """``(StepModel, model spec, dtype)`` of a profile JSON; ValueError (one line) when it cannot be
-    read or lacks what the simulation needs."""
+    """``(StepModel, model spec, dtype, ServingModel or None)`` of a profile JSON; ValueError (one
+    line) when it cannot be read or lacks what the simulation needs."""
+    from pdserve.planner.host_cpu import ServingModel
     from pdserve.planner.step_model import StepModel
 
     try:
@@ -64,11 +79,11 @@ def read_profile(path: str) -> tuple:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read --profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        model = StepModel.from_profile(profile)
+        model, serving = StepModel.from_profile(profile), ServingModel.from_profile(profile)
         spec, dtype = profile["settings"]["model_spec"], profile["machine"]["dtype"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--profile {path}: {exc if isinstance(exc, ValueError) else f'no {exc}'}") from None
-    return model, str(spec), str(dtype)
+    return model, str(spec), str(dtype), serving
 
 
 def cmd_simulate(args) -> int:
@@ -80,7 +95,9 @@ def cmd_simulate(args) -> int:
     from pdserve.loadgen.prefix_cache import prefix_cache_report
     from pdserve.planner.simulate import SimConfig, Simulator
 
-    model, spec, dtype = read_profile(args.profile)
+    model, spec, dtype, serving = read_profile(args.profile)
+    if serving is None:
+        print("the profile has no serving section: steps take the engine's time only", flush=True)
     slo = slo_from_args(args)
     engine = EngineConfig(
         model=spec,
@@ -112,9 +129,10 @@ def cmd_simulate(args) -> int:
         args.local_prefill_policy,
         (args.slo_ttft_ms or DEFAULT_SLO_TTFT_MS) / 1e3,
         (args.slo_tpot_ms or DEFAULT_SLO_TPOT_MS) / 1e3,
+        args.host_cores,
     )
     try:
-        sim = Simulator(cfg, model, dtype)
+        sim = Simulator(cfg, model, dtype, serving)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the profile's model {spec!r}: {exc}") from None
     specs = build_specs(args, sim.tokenizer, sim.max_model_len, args.rate)

@@ -6,6 +6,9 @@ rank the candidates by goodput per worker (that rate x attainment / unit size).
 Every probe runs ``Simulator`` (``planner/simulate.py``) and reads attainment from the bench's own
 ``summarize``. A cluster of N workers is taken to be ``floor(N / unit)`` independent units (the
 scaling assumption: units share nothing, so goodput adds up; the ``N mod unit`` left over idle).
+With ``host_cores_per_worker`` (the workers share a machine's cores with the router and the load
+generator: ``--host-cores`` / N), a unit of ``k`` workers gets ``k`` times that share of the cores
+and carries its share of the router's work (``HostCpu``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import SLO, summarize
 from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.host_cpu import ServingModel
 from pdserve.planner.simulate import SimConfig, Simulator
 from pdserve.planner.step_model import StepModel
 
@@ -91,8 +95,10 @@ class Planner:
 
     def __init__(self, engine: EngineConfig, model: StepModel, dtype: str, slo: SLO, attainment: float = 0.9,
                  routing: str = "prefix-aware", max_requests_per_worker: int = 512, search_steps: int = 4,
-                 rates: list[float] | None = None, max_requests: int = 100) -> None:  # fmt: skip
+                 rates: list[float] | None = None, max_requests: int = 100, serving: ServingModel | None = None,
+                 host_cores_per_worker: float = 0.0) -> None:  # fmt: skip
         self.engine, self.model, self.dtype, self.slo = engine, model, dtype, slo
+        self.serving, self.host_cores_per_worker = serving, host_cores_per_worker
         self.attainment, self.routing, self.bound = attainment, routing, max_requests_per_worker
         self.search_steps, self.rates = search_steps, sorted(rates) if rates else None
         self.simulations, self.max_requests = 0, max_requests
@@ -124,11 +130,11 @@ class Planner:
             self.routing,
             cand.local_prefill_tokens,
             self.bound,
+            host_cores=self.host_cores_per_worker * (cand.num_prefill + cand.num_decode),
         )
         self.simulations += 1
-        return summarize(
-            Simulator(cfg, self.model, self.dtype).run(scaled(specs, rate, self.count(specs, rate))), self.slo
-        )
+        sim = Simulator(cfg, self.model, self.dtype, self.serving)
+        return summarize(sim.run(scaled(specs, rate, self.count(specs, rate))), self.slo)
 
     def _ok(self, summary: dict) -> bool:
         return summary["slo_attainment"] >= self.attainment

@@ -5,8 +5,11 @@ router's local-prefill rule (``local_prefill_reason``) decides which requests th
 prefills itself, and with ``placement="auto"`` the router's ``RoleRebalancer`` switches the
 switchable workers' roles (planner/sim_roles.py).
 
-Events (a heap of virtual times): arrivals at their send times; a worker's step, which runs
-``LLMEngine.step`` and ends after the predicted time, its tokens then relayed (``relay_s``); a KV
+Events (a heap of virtual times): arrivals at their send times plus the router's time for a new
+request (``ServingModel.r0``); a worker's step, which runs ``LLMEngine.step`` and ends after the
+predicted time plus the serving path's (``ServingModel.step_extra_s``), stretched while the workers,
+router and clients want more than ``host_cores`` (``HostCpu``), its tokens then relayed to the
+client (``ServingModel.r1``, ``relay_s``); a KV
 hand-off reaching its decode worker after ``StepModel.handoff_s`` of its bytes (``admit_kv``,
 retried and then preempting as the decode worker does); a stats poll every ``STATS_INTERVAL_S``.
 """
@@ -26,6 +29,7 @@ from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.prefix_cache import WorkerPrefixCounters
 from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.host_cpu import HostCpu, ServingModel
 from pdserve.planner.sim_roles import SimRoles
 from pdserve.planner.step_model import StepModel
 from pdserve.planner.virtual_runner import VirtualClock, VirtualRunner
@@ -42,7 +46,9 @@ class SimConfig:
     """A cluster as ``pdserve serve`` would start it: ``engine`` before the roles' defaults
     (``for_role``), worker counts (colocated: ``num_prefill + num_decode`` workers; auto: the first
     roles), routing, the local-prefill rule (tokens, policy), the request bound per worker, the
-    router's relay of each token to the client (seconds) and auto's TTFT and TPOT targets (seconds)."""
+    router's relay of each token to the client (seconds) beyond the profile's, auto's TTFT and TPOT
+    targets (seconds), and the cores the workers share with the router and the load generator
+    (``host_cores``, ``HostCpu``; 0: none shared)."""
 
     engine: EngineConfig
     placement: str = "split"
@@ -55,6 +61,7 @@ class SimConfig:
     local_prefill_policy: str = "prefix"
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    host_cores: float = 0.0
 
 
 class SimWorker:
@@ -91,10 +98,14 @@ class _Request:
 
 class Simulator:
     """Runs request specs through a simulated cluster (``SimConfig``) whose steps take
-    ``model``'s predicted time for the profile's ``dtype``. ValueError for a model that cannot load."""
+    ``model``'s predicted time for the profile's ``dtype``, plus the serving path's (``serving``, the
+    profile's ``ServingModel``; None: the engine's steps only). ValueError for a model that cannot
+    load."""
 
-    def __init__(self, cfg: SimConfig, model: StepModel, dtype: str) -> None:
+    def __init__(self, cfg: SimConfig, model: StepModel, dtype: str, serving: ServingModel | None = None) -> None:
         self.cfg, self.model = cfg, model
+        self.serving = serving or ServingModel()
+        self.host, self.threads = HostCpu(cfg.host_cores, self.serving), cfg.engine.torch_threads or 1
         roles = (
             [("colocated", cfg.num_prefill + cfg.num_decode)]
             if cfg.placement == "colocated"
@@ -123,7 +134,7 @@ class Simulator:
         record per spec, times in virtual seconds from the start. A request a worker refuses
         (too long, over the bound) or that never finishes gets an ``error``."""
         for spec in specs:
-            self._push(spec.send_at_s, ARRIVE, spec)
+            self._push(spec.send_at_s + self.serving.r0, ARRIVE, spec)
         while self._heap:
             t, _, kind, obj = heapq.heappop(self._heap)
             if t >= self._next_poll:
@@ -163,6 +174,9 @@ class Simulator:
         w.clock.now_s = t
         if w.engine.has_work():
             w.outputs = w.engine.step()
+            extra = self.serving.step_extra_s(len(w.outputs))
+            busy = sum(x.busy for x in self.workers) * self.threads
+            w.clock.now_s = t + (w.clock.now_s - t + extra) * self.host.stretch(t, busy)
         if w.engine.runner.num_steps == steps:  # nothing could run: wait for new work
             w.busy = False
         else:
@@ -175,12 +189,13 @@ class Simulator:
             index=spec.index,
             request_id=rid,
             scheduled_s=spec.send_at_s,
-            sent_s=t,
+            sent_s=spec.send_at_s,
             prompt_tokens=len(prompt),
             max_tokens=spec.max_tokens,
             token_times_s=[],
         )
         r = self.requests[rid] = _Request(spec, rec)
+        self.host.charge_router(t, self.serving.r0)
         sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
         n, hashes, pool = len(prompt), self.pool.prefix_of(prompt), self.pool
         try:
@@ -211,7 +226,8 @@ class Simulator:
 
     def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
         seq, r = out.seq, self.requests[out.seq.request_id]
-        r.rec.token_times_s.append(t + self.cfg.relay_s)
+        self.host.charge_router(t, self.serving.r1)
+        r.rec.token_times_s.append(t + self.cfg.relay_s + self.serving.r1 * self.host.stretch(t, 0))
         r.output.append(out.token)
         if out.prefill and len(r.rec.token_times_s) == 1:  # a recompute after preemption is no first token
             r.worker.handle.outstanding_prefill_tokens -= seq.num_prompt_tokens

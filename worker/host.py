@@ -55,10 +55,10 @@ def sampling_from_proto(s: worker_pb2.ResolvedSampling) -> SamplingParams:
 
 
 def publish_outputs(streams: RequestStreams, outputs: list[StepOutput]) -> None:
-    """Engine-thread callback: one TokenEvent per output into its request's stream."""
+    """Engine-thread callback: one TokenEvent per output into its request's stream, the whole step
+    handed to the event loop at once."""
     now = time.monotonic_ns()
-    for out in outputs:
-        streams.put(out.seq.request_id, TokenEvent(out.token, out.seq.finish_reason, out.seq, now))
+    streams.put_many([(o.seq.request_id, TokenEvent(o.token, o.seq.finish_reason, o.seq, now)) for o in outputs])
 
 
 def publish_step_error(streams: RequestStreams, err: StepError) -> None:

@@ -26,10 +26,20 @@ class RequestStreams:
         """Deliver ``event`` to the request's queue; thread-safe; dropped if the stream is closed."""
         self.loop.call_soon_threadsafe(self._put, request_id, event)
 
+    def put_many(self, events: list[tuple[str, Any]]) -> None:
+        """Deliver a step's ``(request_id, event)`` pairs in one hand-off to the event loop (one
+        wake-up per step, not one per token); thread-safe; events of closed streams are dropped."""
+        if events:
+            self.loop.call_soon_threadsafe(self._put_many, events)
+
     def _put(self, request_id: str, event: Any) -> None:
         q = self._queues.get(request_id)
         if q is not None:
             q.put_nowait(event)
+
+    def _put_many(self, events: list[tuple[str, Any]]) -> None:
+        for request_id, event in events:
+            self._put(request_id, event)
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

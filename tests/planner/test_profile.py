@@ -16,6 +16,8 @@ import torch
 from pdserve.cli.main import main
 from pdserve.engine.config import ModelConfig
 from pdserve.planner.grid import QUICK
+from pdserve.planner.host_cpu import ServingModel
+from pdserve.planner.serving import SERVING_UNITS
 from pdserve.planner.step_model import SCHEMA, SECTIONS, UNITS, StepModel
 
 MACHINE_KEYS = {
@@ -72,6 +74,19 @@ def test_the_json_has_every_section_with_its_keys_and_units(profiled, embedded_d
         fit = p["fits"][section]
         assert {k: c["unit"] for k, c in fit["coefficients"].items()} == UNITS[section]
         assert set(fit["error"]) == {"max_rel", "median_rel", "points"}
+
+
+def test_the_serving_section_times_a_real_worker_router_and_client(profiled):
+    _, p = profiled
+    points = p["points"]["serving"]
+    assert [(q["batch"], q["output_tokens"]) for q in points] == [(1, 8), (1, 16), (4, 8), (4, 16)]
+    for q in points:  # every request streamed all its tokens through the router (else the probe raises)
+        assert 0 < q["engine_s"] < q["wall_s"] < p["elapsed_s"] and q["steps"] == q["output_tokens"]
+        assert q["router_cpu_s"] > 0 and q["worker_cpu_s"] >= 0
+    fit = p["fits"]["serving"]
+    assert {k: c["unit"] for k, c in fit["coefficients"].items()} == SERVING_UNITS
+    assert all(c["value"] >= 0 for c in fit["coefficients"].values())
+    assert ServingModel.from_profile(p) is not None
 
 
 def test_the_points_are_the_quick_grid_and_the_cache_really_hit(profiled, embedded_dir):
@@ -140,6 +155,8 @@ def test_progress_and_the_fits_are_printed(profiled):
     for kind in ("prefill  n=", "decode   b=", "mixed    p=", "handoff  n="):
         assert any(line.startswith(kind) and line.endswith(last) for line in lines), kind
     assert lines[-1].startswith("wrote ") and any(line.startswith("decode   d0 ") for line in lines)
+    assert any(line.startswith("serving batch   4 x  16 tokens") for line in lines)
+    assert any(line.startswith("serving  s0 ") for line in lines)
 
 
 @pytest.mark.parametrize(
