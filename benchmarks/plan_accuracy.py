@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets-dir", default=None, help="the datasets folder (default: pdserve's own lookup)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="per cluster start, s (default 600)")
     p.add_argument("--max-duration", type=float, default=900.0, help="per bench or simulate run, s (default 900)")
+    p.add_argument(
+        "--host-cores",
+        type=float,
+        default=float(len(os.sched_getaffinity(0))),
+        help="simulate's --host-cores: the cores the measured cluster and bench share (default: this machine's usable)",
+    )
     for tool in ("serve", "simulate", "profile"):
         p.add_argument(f"--{tool}-args", default="", help=f"extra flags for pdserve {tool}, one string")
     return p
@@ -165,7 +171,8 @@ def run_one(args, env: dict, setup: dict, workload: tuple, placement, rate: floa
     load = [*flags, "--rate", f"{rate:g}", "--slo-ttft-ms", f"{args.slo_ttft_ms:g}"]
     load += ["--slo-tpot-ms", f"{args.slo_tpot_ms:g}"]
     sim = [*PDSERVE, "simulate", "--profile", setup["profile"], *placement.flags(), *cache, *load]
-    sim += ["--out", str(run_dir / "predicted"), *shlex.split(args.simulate_args)]
+    sim += ["--host-cores", f"{args.host_cores:g}", "--out", str(run_dir / "predicted")]
+    sim += shlex.split(args.simulate_args)
     rc = run_logged(sim, run_dir / "simulate.log", args.max_duration, env)
     if rc not in (0, 1) or not (run_dir / "predicted" / "summary.json").is_file():  # 1: some requests failed
         raise RuntimeError(f"pdserve simulate exit {rc}: {tail(run_dir / 'simulate.log', 1)}")
