@@ -11,7 +11,10 @@ predicted time plus the serving path's (``ServingModel.step_extra_s``), stretche
 router and clients want more than ``host_cores`` (``HostCpu``), its tokens then relayed to the
 client (``ServingModel.r1``, ``relay_s``); a KV
 hand-off reaching its decode worker after ``StepModel.handoff_s`` of its bytes (``admit_kv``,
-retried and then preempting as the decode worker does); a stats poll every ``STATS_INTERVAL_S``.
+retried and then preempting as the decode worker does); a split request's prefill starting once its
+decode worker has held its prefix, which that worker's engine does between two steps (the real
+``Decode`` call waits for it before the router sends the prompt to prefill); a stats poll every
+``STATS_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -19,26 +22,26 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.decode_worker.worker import ADMIT_PREEMPT_AFTER_S, ADMIT_RETRY_S
-from pdserve.engine.config import EngineConfig, for_role
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv.codec import KvPayload
-from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine, StepOutput
+from pdserve.engine.llm_engine import KvCacheFullError, StepOutput
 from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.prefix_cache import WorkerPrefixCounters
 from pdserve.loadgen.workload import RequestSpec
 from pdserve.planner.host_cpu import HostCpu, ServingModel
 from pdserve.planner.sim_roles import SimRoles
+from pdserve.planner.sim_worker import SimRequest, SimWorker
 from pdserve.planner.step_model import StepModel
-from pdserve.planner.virtual_runner import VirtualClock, VirtualRunner
 from pdserve.router.local_prefill import LocalPrefill, local_prefill_reason
-from pdserve.router.pool import STATS_INTERVAL_S, Overloaded, WorkerHandle, WorkerPool
+from pdserve.router.pool import STATS_INTERVAL_S, Overloaded, WorkerPool
 from pdserve.router.split_backend import KV_TIMEOUT_S
 from pdserve.v1 import worker_pb2
 
-ARRIVE, STEP, KV = 0, 1, 2
+ARRIVE, STEP, KV, PREFILL = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -62,38 +65,6 @@ class SimConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     host_cores: float = 0.0
-
-
-class SimWorker:
-    """One simulated worker: its engine on a virtual runner and clock, and the router's handle."""
-
-    def __init__(
-        self, role: str, index: int, cfg: EngineConfig, model: StepModel, dtype: str, switchable: bool = False
-    ) -> None:
-        self.role, self.clock = role, VirtualClock()
-        self.engine = LLMEngine(
-            for_role(cfg, "decode" if switchable else role),
-            lambda c, d: VirtualRunner(c, d, model, dtype, self.clock),
-            self.clock.ns,
-        )
-        eos = self.engine.eos_token_ids
-        self.engine.runner.token = next(t for t in itertools.count() if t not in eos)
-        self.handle = WorkerHandle(role, f"{role}-{index}", None, switchable=switchable)
-        self.busy = False
-        self.outputs: list[StepOutput] = []  # of the step under way, handled when it ends
-        self.awaiting_kv = 0  # requests routed here whose KV has not been admitted
-
-
-@dataclass
-class _Request:
-    spec: RequestSpec
-    rec: RequestRecord
-    worker: SimWorker | None = None  # prefill (split) or colocated / prefilling decode worker
-    decode: SimWorker | None = None
-    held: int = 0  # prompt tokens the decode worker held for the KV (pin_prefix)
-    prefill_end_s: float = 0.0
-    kv_first_try_s: float = math.nan
-    output: list[int] = field(default_factory=list)
 
 
 class Simulator:
@@ -121,7 +92,7 @@ class Simulator:
         self._heap: list = []
         self._seq = itertools.count()
         self._next_poll = 0.0
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, SimRequest] = {}
         self.local_prefill = LocalPrefill(cfg.local_prefill_tokens, cfg.local_prefill_policy)
         self.roles = SimRoles(self, cfg.slo_ttft_s, cfg.slo_tpot_s) if auto else None
 
@@ -143,6 +114,8 @@ class Simulator:
                 self._arrive(t, obj)
             elif kind == STEP:
                 self._step(t, obj)
+            elif kind == PREFILL:
+                self._start_prefill(t, obj)
             else:
                 self._admit(t, *obj)
         for r in self.requests.values():
@@ -194,7 +167,7 @@ class Simulator:
             max_tokens=spec.max_tokens,
             token_times_s=[],
         )
-        r = self.requests[rid] = _Request(spec, rec)
+        r = self.requests[rid] = SimRequest(spec, rec)
         self.host.charge_router(t, self.serving.r0)
         sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
         n, hashes, pool = len(prompt), self.pool.prefix_of(prompt), self.pool
@@ -221,7 +194,14 @@ class Simulator:
             r.decode.handle.routed_blocks_since_poll += -(-(n + 1) // r.decode.handle.block_size)
             r.held = r.decode.engine.pin_prefix(rid, prompt)
             r.decode.awaiting_kv += 1
-        r.worker.engine.add_request(rid, prompt, sampling)
+            if r.decode.busy and r.decode.clock.now_s > t:  # the pin runs between the decode worker's steps
+                self._push(r.decode.clock.now_s, PREFILL, r)
+                return
+        self._start_prefill(t, r)
+
+    def _start_prefill(self, t: float, r: SimRequest) -> None:
+        sampling = SamplingParams(temperature=0.0, max_tokens=r.spec.max_tokens, ignore_eos=True)
+        r.worker.engine.add_request(r.rec.request_id, list(r.spec.prompt_token_ids), sampling)
         self._wake(r.worker, t)
 
     def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
@@ -250,7 +230,7 @@ class Simulator:
                 self.pool.served(w.handle, list(r.spec.prompt_token_ids) + r.output[:-1])
             self._finish(t, r, seq.finish_reason.value, w)
 
-    def _finish(self, t: float, r: _Request, reason: str, w: SimWorker) -> None:
+    def _finish(self, t: float, r: SimRequest, reason: str, w: SimWorker) -> None:
         r.rec.finish_reason = reason
         w.handle.active_requests -= 1
         times = r.rec.token_times_s
@@ -260,7 +240,7 @@ class Simulator:
         if r.decode is not None:
             r.rec.decode_s = t - (r.prefill_end_s + r.rec.kv_transfer_s)
 
-    def _admit(self, t: float, r: _Request, payload: KvPayload) -> None:
+    def _admit(self, t: float, r: SimRequest, payload: KvPayload) -> None:
         """A KV reaching its decode worker: admitted, or retried while the cache is full (after
         ``ADMIT_PREEMPT_AFTER_S``, by preempting), as ``DecodeWorker.admit`` does."""
         if math.isnan(r.kv_first_try_s):
@@ -281,7 +261,7 @@ class Simulator:
         r.rec.kv_transfer_s = t - r.prefill_end_s
         self._wake(dw, t)
 
-    def _kv_failed(self, r: _Request, why: str) -> None:
+    def _kv_failed(self, r: SimRequest, why: str) -> None:
         r.decode.awaiting_kv -= 1
         r.decode.handle.active_requests -= 1
         r.decode.engine.unpin(r.rec.request_id)

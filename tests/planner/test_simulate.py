@@ -171,3 +171,17 @@ def test_bad_profile_or_flags_exit_2_with_one_line(tmp_path, content, flags, mes
                            "--out", str(tmp_path / "o"))  # fmt: skip
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_split_prefill_starts_once_the_busy_decode_worker_has_held_the_prefix():
+    model = StepModel.from_profile(toy_profile(h0=0.001))
+    engine = EngineConfig(model="embedded", max_num_batched_tokens=256)
+    first = RequestSpec(0, 0.0, tuple(range(3, 103)), 40, "random")
+    a_steps = Simulator(SimConfig(engine, "split"), model, "float32").run([first])[0].token_times_s
+    send = (a_steps[5] + a_steps[6]) / 2  # mid-way through one of the decode worker's steps
+    second = RequestSpec(1, send, tuple(range(200, 264)), 4, "random")
+    a, b = Simulator(SimConfig(engine, "split"), model, "float32").run([first, second])
+    assert a.token_times_s[:7] == pytest.approx(a_steps[:7])
+    prefill_start = b.sent_s + b.queue_s
+    assert prefill_start == pytest.approx(a_steps[6])  # the pin waited for that step to end
+    assert b.ttft_s == pytest.approx(a_steps[6] - send + model.prefill_s(64))
