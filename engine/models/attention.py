@@ -8,7 +8,8 @@
   sequence: SDPA has no variable-length CPU kernel, and one call over the packed batch with a
   block-diagonal mask would do ``num_seqs`` times the work); decode gathers every sequence's
   blocks into a batch padded to the longest block table and runs masked SDPA. It runs on any
-  device and is the reference the tests hold the other backends to.
+  device and is the reference the tests hold the other backends to. With a soft-cap of the scores
+  (Gemma 2), which SDPA cannot apply, both phases take transformers' eager arithmetic instead.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Prefill and decode attention for one model shape (``scale`` = head_dim ** -0.5)."""
+    """Prefill and decode attention for one model shape (``scale``: head_dim ** -0.5 unless the
+    model says otherwise; ``softcap``: scores s become softcap * tanh(s / softcap) before the softmax)."""
 
     name: str
 
@@ -84,8 +86,25 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, scale: float, sliding_window: int | None) -> None:
-        self.scale, self.window = scale, sliding_window
+    def __init__(self, scale: float, sliding_window: int | None, softcap: float | None = None) -> None:
+        self.scale, self.window, self.softcap = scale, sliding_window, softcap
+
+    def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, Lq, D], k/v [B, Hkv, L, D]; mask bool, broadcast to [B, H, Lq, L] (None: causal,
+        Lq == L). SDPA, or with ``softcap`` transformers' eager Gemma 2 attention: scores * scale,
+        capped, masked, softmax in float32."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+            )
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def _mask(self, nq: int, n: int, device: torch.device) -> torch.Tensor | None:
         """None (plain causal) when the ``nq`` queries are all ``n`` positions and the window is not
@@ -119,15 +138,7 @@ class TorchAttention:
                 keys, vals = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
             mask = self._mask(b - a, n, q.device)
             # 4-D [1, H, n, D] views take SDPA's fused CPU kernel (3-D inputs take a ~10x slower path)
-            o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1)[None],
-                keys.transpose(0, 1)[None],
-                vals.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            o = self._attend(q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], mask)
             out[a:b] = o[0].transpose(0, 1)
         return out.flatten(1)
 
@@ -141,9 +152,7 @@ class TorchAttention:
         mask = pos < lens[:, None]  # [B, L]
         if self.window is not None:
             mask &= pos >= lens[:, None] - self.window
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, vals, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
-        )
+        o = self._attend(q[:, :, None, :], keys, vals, mask[:, None, None, :])
         return o[:, :, 0, :].flatten(1)
 
 
@@ -152,8 +161,10 @@ class CpuPagedAttention:
 
     name = "cpu-paged"
 
-    def __init__(self, scale: float, sliding_window: int | None, dtype: torch.dtype) -> None:
-        self.scale, self.window = scale, sliding_window
+    def __init__(
+        self, scale: float, sliding_window: int | None, dtype: torch.dtype, softcap: float | None = None
+    ) -> None:
+        self.scale, self.window, self.softcap = scale, sliding_window, softcap
         self._fn = getattr(load_cpu_kernels(), ATTENTION_SYMBOLS[str(dtype).removeprefix("torch.")])
 
     def prefill(self, q, k, v, k_cache, v_cache, meta):
@@ -186,6 +197,7 @@ class CpuPagedAttention:
             q.stride(0),
             self.scale,
             self.window or 0,
+            self.softcap or 0.0,
             torch.get_num_threads(),
         )
         return out
@@ -199,18 +211,21 @@ def select_backend(
     num_kv_heads: int,
     head_dim: int,
     sliding_window: int | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> AttentionBackend:
     """The backend for ``name``: ``"auto"`` (the C++ paged kernel on CPU when it builds and fits
-    the model's shape, else ``"torch"``), ``"cpu-paged"`` or ``"torch"``.
+    the model's shape, else ``"torch"``), ``"cpu-paged"`` or ``"torch"``; ``scale`` (default
+    head_dim ** -0.5) and ``softcap`` as ``AttentionBackend`` says.
 
     Raises ValueError for an unknown name and KernelUnavailable when ``"cpu-paged"`` is asked for
     but cannot run here. Logs the choice and, for ``"auto"``, why the kernel was not taken.
     """
     if name not in ("auto", "cpu-paged", "torch"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu-paged or torch")
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     if name == "torch":
-        return TorchAttention(scale, sliding_window)
+        return TorchAttention(scale, sliding_window, softcap)
     try:
         if device.type != "cpu":
             raise KernelUnavailable(f"the paged C++ kernel runs on CPU, not {device.type}")
@@ -221,11 +236,11 @@ def select_backend(
                 f"{groups} query heads per KV head / head_dim {head_dim} exceed the kernel's "
                 f"{lib.pdserve_max_groups()} / {lib.pdserve_max_head_dim()}"
             )
-        backend = CpuPagedAttention(scale, sliding_window, dtype)
+        backend = CpuPagedAttention(scale, sliding_window, dtype, softcap)
     except KernelUnavailable as exc:
         if name == "cpu-paged":
             raise
         log.warning("attention backend: torch (%s)", exc)
-        return TorchAttention(scale, sliding_window)
+        return TorchAttention(scale, sliding_window, softcap)
     log.info("attention backend: %s", backend.name)
     return backend

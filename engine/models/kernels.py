@@ -29,7 +29,7 @@ HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F, _N = ctypes.c_float, ctypes.c_int
-_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _N]
+_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _F, _N]
 _ELEMENTWISE_ARGS = {
     "pdserve_add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _N],
     "pdserve_silu_mul_bf16": [_P, _P, _I, _I, _N],

@@ -18,6 +18,7 @@
 //   query_start_loc [num_seqs + 1] int32: sequence b's rows are query_start_loc[b] .. [b + 1] - 1
 //   out             [num_query_rows, num_heads, head_dim], contiguous
 // window > 0 keeps the last `window` positions of each row only (Mistral/Qwen2 sliding window).
+// softcap > 0 caps every score s (q . k * scale) to softcap * tanh(s / softcap) before the softmax (Gemma 2).
 //
 // Built at run time by pdserve/engine/models/kernels.py with the system compiler (-march=native)
 // and called through ctypes; OpenMP resolves to the libgomp torch has already loaded.
@@ -100,6 +101,11 @@ void init_state(HeadState<T, kHeadDim>& st, const T* q_head, int64_t groups, int
   }
 }
 
+// Soft-capping of n scores in place: s -> softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
+inline void cap_scores(float* s, int64_t n, float softcap) {
+  for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+}
+
 // Ask for one head's K or V row of a later position, so that DRAM reads of several blocks overlap
 // the arithmetic (the hardware prefetchers alone sustain about a quarter of the bandwidth here,
 // since every block is a new, short stream).
@@ -131,7 +137,7 @@ inline __m512 row_sums16(const __m512 (&v)[16]) {
 template <int kHeadDim>
 void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, const uint16_t* v,
                          const int64_t* slots, int64_t n, int64_t row,
-                         int64_t groups, float scale) {
+                         int64_t groups, float scale, float softcap) {
   constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
   alignas(64) float s[kMaxGroups][kChunk];
   float corr[kMaxGroups];
@@ -149,6 +155,7 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
       }
       _mm512_store_ps(s[g] + j0, _mm512_mul_ps(row_sums16(part), vscale));
     }
+    if (softcap > 0.f) cap_scores(s[g], n, softcap);
     float mx = st.m[g];
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
     corr[g] = pdserve::exp_approx(st.m[g] - mx);
@@ -197,10 +204,10 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
 // with one call site: two compiled copies may vectorize their reductions in different orders.
 template <typename T, int kHeadDim>
 void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* slots, int64_t n,
-                  int64_t row, int64_t groups, int64_t head_dim, float scale) {
+                  int64_t row, int64_t groups, int64_t head_dim, float scale, float softcap) {
 #if defined(__AVX512BF16__)
   if constexpr (kUseDpbf16<T, kHeadDim>) {
-    attend_chunk_dpbf16<kHeadDim>(st, k, v, slots, n, row, groups, scale);
+    attend_chunk_dpbf16<kHeadDim>(st, k, v, slots, n, row, groups, scale, softcap);
     return;
   }
 #endif
@@ -215,6 +222,8 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
       s[g][j] = dot;
     }
   }
+  if (softcap > 0.f)
+    for (int64_t g = 0; g < groups; ++g) cap_scores(s[g], n, softcap);
   for (int64_t g = 0; g < groups; ++g) {  // online softmax update
     float mx = st.m[g];
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
@@ -248,7 +257,7 @@ template <typename T, int kHeadDim>
 void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                     const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim_arg, int64_t block_size, int64_t max_blocks,
-                    int64_t q_stride, float scale, int64_t window, int num_threads) {
+                    int64_t q_stride, float scale, int64_t window, float softcap, int num_threads) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head_dim_arg;
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between consecutive KV positions
@@ -312,7 +321,8 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
           if (a >= z) continue;
           const T* kh = k_cache + (h0 + i) * head_dim;
           const T* vh = v_cache + (h0 + i) * head_dim;
-          attend_chunk<T, kHeadDim>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, row, groups, head_dim, scale);
+          attend_chunk<T, kHeadDim>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, row, groups, head_dim, scale,
+                                    softcap);
         }
       }
     }
@@ -332,13 +342,13 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
 template <typename T>
 void attention(T* out, const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t mb, int64_t qs, float scale,
-               int64_t window, int nt) {
+               int64_t window, float softcap, int nt) {
   if (d == 64) {
-    attention_impl<T, 64>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
+    attention_impl<T, 64>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, softcap, nt);
   } else if (d == 128) {
-    attention_impl<T, 128>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
+    attention_impl<T, 128>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, softcap, nt);
   } else {
-    attention_impl<T, 0>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);
+    attention_impl<T, 0>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, softcap, nt);
   }
 }
 
@@ -352,9 +362,10 @@ int pdserve_max_head_dim() { return kMaxHeadDim; }
 #define PDSERVE_ATTENTION(NAME, T)                                                                    \
   extern "C" void NAME(void* out, const void* q, const void* k, const void* v, const int32_t* bt,    \
                        const int32_t* sl, const int32_t* qsl, int64_t b, int64_t h, int64_t hkv, int64_t d, \
-                       int64_t bs, int64_t mb, int64_t qs, float scale, int64_t window, int nt) {       \
+                       int64_t bs, int64_t mb, int64_t qs, float scale, int64_t window, float softcap,  \
+                       int nt) {                                                                        \
     attention<T>(static_cast<T*>(out), static_cast<const T*>(q), static_cast<const T*>(k),             \
-                 static_cast<const T*>(v), bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, nt);   \
+                 static_cast<const T*>(v), bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, softcap, nt);   \
   }
 PDSERVE_ATTENTION(pdserve_paged_attention_f32, float)
 PDSERVE_ATTENTION(pdserve_paged_attention_bf16, uint16_t)
