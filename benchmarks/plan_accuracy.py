@@ -31,12 +31,15 @@ p90 over the SLO) and whether its goodput, TTFT p50/p90 and TPOT p50 are within 
 (read only below saturation), then one line over the rows below saturation. ``--out`` (default
 ``plan-accuracy-out/``) gets ``report.md``, ``accuracy.json`` (every figure), ``profile.json`` and
 each run's folder (``predicted/`` and ``measured/`` with their ``summary.json``, and logs).
+``--predict-only`` simulates again against the ``measured/`` an earlier run left in ``--out`` (a
+change to the simulator or a new profile, checked in seconds instead of a cluster start per run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shlex
@@ -51,7 +54,7 @@ from peers_metrics import pdserve_records, w2_metrics
 from peers_processes import busy_cores, free_port, run_logged, spawn, stop, stop_all, tail
 from peers_servers import wait_ready
 from phased_trace import write_phased_trace
-from plan_accuracy_figures import SATURATION_RULES, compare, mark_saturation, markdown_table, parse_placements, verdict
+from plan_accuracy_figures import SATURATION_RULES, compare, mark_saturation, parse_placements, report
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]
 
@@ -97,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets-dir", default=None, help="the datasets folder (default: pdserve's own lookup)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="per cluster start, s (default 600)")
     p.add_argument("--max-duration", type=float, default=900.0, help="per bench or simulate run, s (default 900)")
+    p.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="simulate again against the measurements an earlier run left in --out (no cluster, no bench)",
+    )
     p.add_argument(
         "--host-cores",
         type=float,
@@ -164,7 +172,6 @@ def _summary(folder: Path) -> dict:
 
 def run_one(args, env: dict, setup: dict, workload: tuple, placement, rate: float, run_dir: Path) -> dict:
     """Simulate, then serve and bench, one workload at one placement and rate; the row's figures."""
-    from pdserve.loadgen.metrics import SLO
 
     name, flags, _, no_cache = workload
     cache = ["--no-prefix-caching"] if no_cache else []
@@ -176,6 +183,11 @@ def run_one(args, env: dict, setup: dict, workload: tuple, placement, rate: floa
     rc = run_logged(sim, run_dir / "simulate.log", args.max_duration, env)
     if rc not in (0, 1) or not (run_dir / "predicted" / "summary.json").is_file():  # 1: some requests failed
         raise RuntimeError(f"pdserve simulate exit {rc}: {tail(run_dir / 'simulate.log', 1)}")
+    measured_dir = run_dir / "measured"
+    if args.predict_only:
+        if not (measured_dir / "summary.json").is_file():
+            raise RuntimeError(f"--predict-only: no earlier measurement in {measured_dir}")
+        return _rows(args, run_dir, measured_dir, math.nan)
     port, log = free_port(), run_dir / "serve.log"
     serve = [*PDSERVE, "serve", "--model", setup["model"], "--dtype", setup["dtype"], *placement.flags(), *cache]
     serve += ["--cpus-per-worker", "1", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0"]
@@ -194,9 +206,14 @@ def run_one(args, env: dict, setup: dict, workload: tuple, placement, rate: floa
         )
     finally:
         stop(proc)
-    measured_dir = run_dir / "measured"
     if rc not in (0, 1) or not (measured_dir / "summary.json").is_file():
         raise RuntimeError(f"pdserve bench exit {rc}: {tail(run_dir / 'bench.log', 1)}")
+    return _rows(args, run_dir, measured_dir, busy)
+
+
+def _rows(args, run_dir: Path, measured_dir: Path, busy: float) -> dict:
+    from pdserve.loadgen.metrics import SLO
+
     measured = _summary(measured_dir)
     records, duration, _ = pdserve_records(measured_dir / "results.jsonl", measured)
     load_figs = w2_metrics(records, duration, SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
@@ -219,18 +236,6 @@ def get_profile(args, env: dict, out: Path) -> dict:
             raise SystemExit(f"error: pdserve profile exit {rc}:\n{tail(out / 'profile.log')}")
     profile = json.loads(path.read_text())
     return {"profile": str(path), "model": profile["settings"]["model_spec"], "dtype": profile["machine"]["dtype"]}
-
-
-def report(header: list[str], rows: list[dict]) -> str:
-    busy = [
-        f"{r['workload']} {r['placement']} @ {r['rate_rps']:g}" for r in rows if r.get("busy_cores_before", 0) >= 0.5
-    ]
-    text = "\n".join(["# pdserve simulate against pdserve bench", "", *header, "", markdown_table(rows), ""])
-    text += "\n" + verdict(rows) + "\n"
-    if busy:
-        text += f"\nOther processes kept >= 0.5 cores busy just before: {', '.join(busy)}. "
-        text += "Rerun those on a quiet machine.\n"
-    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,3 +159,15 @@ def verdict(rows: list[dict], target: float = TARGET) -> str:
     text = f"Below saturation, {good} of {len(below)} rows have goodput, TTFT p50/p90 and TPOT p50 within "
     text += f"{target * 100:.0f} % of measured."
     return text + (" Outside it: " + "; ".join(misses) + "." if misses else "")
+
+
+def report(header: list[str], rows: list[dict]) -> str:
+    busy = [
+        f"{r['workload']} {r['placement']} @ {r['rate_rps']:g}" for r in rows if r.get("busy_cores_before", 0) >= 0.5
+    ]
+    text = "\n".join(["# pdserve simulate against pdserve bench", "", *header, "", markdown_table(rows), ""])
+    text += "\n" + verdict(rows) + "\n"
+    if busy:
+        text += f"\nOther processes kept >= 0.5 cores busy just before: {', '.join(busy)}. "
+        text += "Rerun those on a quiet machine.\n"
+    return text
