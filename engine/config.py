@@ -14,7 +14,7 @@ from pdserve.engine.models.registry import (
 )
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
     moe_layers: tuple[int, ...] = ()
+    partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * this dims of each head (Phi-4-mini)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -74,7 +75,7 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # the forward pass hard-codes SiLU (swish is its other name)
             raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling = _rope(cfg, fam)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         num_layers = int(cfg["num_hidden_layers"])
@@ -105,12 +106,18 @@ class ModelConfig:
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if fam.norm_topk_prob is None else fam.norm_topk_prob,
             moe_layers=tuple(i for i in range(num_layers) if num_experts and i not in dense and (i + 1) % step == 0),
+            partial_rotary_factor=float(
+                (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+                or cfg.get("partial_rotary_factor")
+                or 1.0
+            ),
         )
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(cfg: dict[str, Any], fam: Family) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling parameters or None) from ``rope_parameters`` (transformers >= 5) or the
-    older ``rope_scaling`` and top-level ``rope_theta``; ValueError for a scaling pdserve lacks."""
+    older ``rope_scaling`` and top-level ``rope_theta``; ValueError for a scaling pdserve lacks.
+    The family's ``longrope_aliases`` become ``rope_type`` "longrope"."""
     rope_scaling = cfg.get("rope_scaling") or None
     rope_theta = cfg.get("rope_theta")
     rope_params = cfg.get("rope_parameters")
@@ -120,6 +127,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             rope_scaling = rope_params
     if rope_scaling is not None:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind in fam.longrope_aliases:
+            kind, rope_scaling = "longrope", {**rope_scaling, "rope_type": "longrope"}
         if kind == "dynamic":
             raise ValueError(
                 "unsupported rope scaling 'dynamic': its frequencies follow each sequence's length, so keys "
@@ -129,7 +138,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             raise ValueError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
         if kind == "default":
             rope_scaling = None
-        elif kind in ("llama3", "yarn"):  # transformers' standardize_rope_params
+        elif kind in ("llama3", "yarn", "longrope"):  # transformers' standardize_rope_params
             old = cfg.get("original_max_position_embeddings")
             fallback = rope_scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
             rope_scaling = {**rope_scaling, "original_max_position_embeddings": old or fallback}

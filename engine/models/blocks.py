@@ -49,7 +49,12 @@ class Attention:
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         if self.qk_norm is not None:
             qk.copy_(rms_norm(qk, self.qk_norm, self.eps))
-        self.ops.rope_(qk, cos, sin)  # q and k at once, in place
+        if cos.shape[-1] == D:
+            self.ops.rope_(qk, cos, sin)  # q and k at once, in place
+        else:  # partial_rotary_factor: the first cos.shape[-1] dims of each head turn, the rest pass
+            rot = qk[..., : cos.shape[-1]].contiguous()
+            self.ops.rope_(rot, cos, sin)
+            qk[..., : cos.shape[-1]] = rot
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         flat = cache.view(2, -1, Hkv, D)  # [2, num_slots, Hkv, D]

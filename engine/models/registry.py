@@ -35,6 +35,8 @@ class Family:
     applies to the layers config.json's ``layer_types`` marks ``sliding_attention``, or without
     them to layers from ``max_window_layers`` on; otherwise to every layer. ``norm_topk_prob``: the
     routed experts' weights are renormalised to sum to 1 (None: as config.json's ``norm_topk_prob``).
+    ``longrope_aliases``: RoPE scaling types this family reads as ``longrope`` (Phi-3's older "su"
+    and "yarn", as transformers' ``Phi3Config`` does).
     """
 
     module: str
@@ -43,6 +45,7 @@ class Family:
     window_flag: bool = False
     layer_types: bool = False
     norm_topk_prob: bool | None = None
+    longrope_aliases: tuple[str, ...] = ()
 
 
 ARCHITECTURES: dict[str, Family] = {
@@ -52,6 +55,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, window_flag=True, layer_types=True),
     "Qwen3MoeForCausalLM": Family("qwen3", qk_norm=True, window_flag=True),
     "MixtralForCausalLM": Family("mixtral", norm_topk_prob=True),
+    "Phi3ForCausalLM": Family("phi3", longrope_aliases=("su", "yarn")),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

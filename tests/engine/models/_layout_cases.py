@@ -32,9 +32,29 @@ LLAMA3 = {
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def _prompts() -> list[list[int]]:
+def longrope(pairs: int, original: int, **extra) -> dict:
+    """LongRoPE with ``pairs`` per-frequency factors in each set (rotary_dim // 2)."""
+    short = [1.0 + 0.05 * i for i in range(pairs)]
+    long = [1.0 + 1.5 * i for i in range(pairs)]
+    return {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        **extra,
+        "original_max_position_embeddings": original,
+    }
+
+
+# Checkpoints whose LongRoPE uses the long factors (max_position_embeddings 256 > the original 64):
+# transformers uses them, as we do, once a sequence is longer than 64 tokens, so only prompts
+# longer than that are compared (see engine/models/rope.py).
+LONG_FACTORS = {"phi3_longrope": 64, "legacy_phi3_longrope": 64}
+
+
+def _prompts(name: str = "") -> list[list[int]]:
     gen = torch.Generator().manual_seed(1234)
-    return [torch.randint(3, BASE["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts = [torch.randint(3, BASE["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return [p for p in prompts if len(p) > LONG_FACTORS.get(name, 0)]
 
 
 def _spec(name: str):
@@ -46,6 +66,8 @@ def _spec(name: str):
         MistralForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -55,6 +77,7 @@ def _spec(name: str):
     )
 
     three = {**BASE, "num_hidden_layers": 3}
+    phi3 = {**BASE, "pad_token_id": 0}  # Phi3Config's default pad id 32000 is outside the tiny vocab
 
     specs = {
         # GQA with 4 query heads per KV head, untied lm_head, non-default rope_theta
@@ -110,6 +133,40 @@ def _spec(name: str):
             {},
         ),
         "mixtral": (MixtralForCausalLM, MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2), {}),
+        # fused qkv_proj and gate_up_proj, no RoPE scaling, a window of 48 in every layer (Phi-3-mini-4k's 2047)
+        "phi3": (Phi3ForCausalLM, Phi3Config(**phi3, sliding_window=48), {}),
+        # LongRoPE's long factors and attention factor sqrt(1 + ln 4 / ln 64); RoPE on 12 of 16 dims
+        "phi3_longrope": (
+            Phi3ForCausalLM,
+            Phi3Config(
+                **phi3, original_max_position_embeddings=64, partial_rotary_factor=0.75, rope_scaling=longrope(6, 64)
+            ),
+            {},
+        ),
+        # original context = max_position_embeddings: the short factors at every length, attention factor 1
+        "phi3_longrope_short": (
+            Phi3ForCausalLM,
+            Phi3Config(**phi3, original_max_position_embeddings=256, rope_scaling=longrope(8, 256)),
+            {},
+        ),
+        # LongRoPE on a Llama: short factors (256 positions, none beyond the original), explicit factor 4
+        "llama_longrope": (LlamaForCausalLM, LlamaConfig(**BASE, rope_scaling=longrope(8, 256, factor=4.0)), {}),
+        # the scalings on other families than Llama
+        "qwen2_yarn": (
+            Qwen2ForCausalLM,
+            Qwen2Config(**BASE, use_sliding_window=False, rope_scaling=dict(YARN)),
+            {},
+        ),
+        "qwen3_linear": (
+            Qwen3ForCausalLM,
+            Qwen3Config(**BASE, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            {},
+        ),
+        "mistral_llama3": (
+            MistralForCausalLM,
+            MistralConfig(**BASE, sliding_window=None, rope_scaling=dict(LLAMA3)),
+            {},
+        ),
     }
     return specs[name]
 
@@ -130,9 +187,16 @@ LAYOUTS = [
     "qwen3_moe",
     "qwen3_moe_norm",
     "mixtral",
+    "phi3",
+    "phi3_longrope",
+    "phi3_longrope_short",
+    "llama_longrope",
+    "qwen2_yarn",
+    "qwen3_linear",
+    "mistral_llama3",
 ]
 # checkpoints rewritten into the transformers 4 config.json layout (rope_scaling + top-level rope_theta)
-LEGACY = ["legacy_llama3_rope", "legacy_linear_rope", "legacy_yarn_rope"]
+LEGACY = ["legacy_llama3_rope", "legacy_linear_rope", "legacy_yarn_rope", "legacy_phi3_longrope"]
 
 
 def _to_legacy(folder: Path) -> None:
@@ -142,6 +206,9 @@ def _to_legacy(folder: Path) -> None:
     theta = params.pop("rope_theta")
     if params["rope_type"] == "linear":  # the oldest spelling: "type"
         params["type"] = params.pop("rope_type")
+    elif params["rope_type"] == "longrope":  # the first Phi-3 checkpoints' name for it
+        del params["rope_type"]
+        params["type"] = "su"
     edit_config(folder, rope_parameters=None, rope_scaling=params, rope_theta=theta)
 
 
@@ -152,7 +219,7 @@ class Case:
         self.name, self.folder = name, folder
         self.engine = make_engine(folder, block_size=16)
         self.hf = load_hf(folder)
-        self.prompts = _prompts()
+        self.prompts = _prompts(name)
         self.ref = hf_greedy(self.hf, self.prompts, MAX_TOKENS, self.engine.eos_token_ids)
 
 
@@ -164,6 +231,6 @@ def make_engine(folder: Path, block_size: int) -> LLMEngine:
 def _assert_same_tokens(ours: list[list[int]], ref: list[list[int]]) -> None:
     for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
         assert r, "empty reference"
-        assert o[: len(r)] == r, f"prompt {i} ({PROMPT_LENS[i]} tokens): ours {o} != transformers {r}"
+        assert o[: len(r)] == r, f"prompt {i}: ours {o} != transformers {r}"
         # the engine stops exactly where transformers does (EOS or max_tokens)
         assert len(o) == len(r), f"prompt {i}: {len(o)} tokens vs transformers {len(r)}"

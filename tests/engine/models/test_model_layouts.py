@@ -43,12 +43,24 @@ def test_greedy_batch_matches_transformers(cases, name):
     _assert_same_tokens(ours, case.ref)
 
 
+def _hf_rope(hf) -> tuple[torch.Tensor, float]:
+    """transformers' inverse frequencies and attention factor; for LongRoPE those of the longest
+    sequence the checkpoint takes (its buffer holds those of the last forward)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = hf.model.rotary_emb
+    if rope.rope_type == "longrope":
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf.config, None, seq_len=hf.config.max_position_embeddings)
+        return inv_freq, rope.attention_scaling
+    return rope.inv_freq.float(), rope.attention_scaling
+
+
 @pytest.mark.parametrize("name", LAYOUTS + LEGACY)
 def test_logits_match_transformers(cases, name):
     case = cases(name)
-    torch.testing.assert_close(
-        case.engine.runner.model.inv_freq, case.hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0
-    )
+    inv_freq, attention_scaling = _hf_rope(case.hf)
+    torch.testing.assert_close(case.engine.runner.model.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert case.engine.runner.model.attention_scaling == pytest.approx(attention_scaling, rel=1e-12)
     for prompt in case.prompts:
         ref = hf_logits(case.hf, prompt)
         prefill, decode = engine_logits(case.engine, prompt)
@@ -90,11 +102,18 @@ def test_layout_files_are_what_the_cases_claim(cases):
 
     for name, kind in [
         ("llama3_rope", "llama3"),
+        ("mistral_llama3", "llama3"),
         ("linear_rope", "linear"),
+        ("qwen3_linear", "linear"),
         ("legacy_llama3_rope", "llama3"),
         ("legacy_linear_rope", "linear"),
         ("yarn_rope", "yarn"),
+        ("qwen2_yarn", "yarn"),
         ("legacy_yarn_rope", "yarn"),
+        ("llama_longrope", "longrope"),
+        ("phi3_longrope", "longrope"),
+        ("phi3_longrope_short", "longrope"),
+        ("legacy_phi3_longrope", "longrope"),
     ]:
         case = cases(name)
         raw = json.loads((case.folder / "config.json").read_text())
@@ -103,7 +122,8 @@ def test_layout_files_are_what_the_cases_claim(cases):
         assert cfg.rope_scaling is not None
         assert cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) == kind
         # the scaling changes the frequencies (so the 130-token prompt exercises it)
-        plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
         assert not torch.allclose(case.engine.runner.model.inv_freq, plain)
         assert case.hf.config.rope_parameters["rope_type"] == kind  # transformers read the same file
 

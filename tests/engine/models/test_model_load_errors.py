@@ -31,7 +31,13 @@ def test_unsupported_architecture(cases, tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
         LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
     supported = str(info.value).split("supported: ")[1].split(", ")
-    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"} <= set(supported)
+    assert {
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "Phi3ForCausalLM",
+    } <= set(supported)
 
 
 def test_missing_safetensors(cases, tmp_path):
@@ -60,25 +66,34 @@ def test_missing_tensor(cases, tmp_path, name, tensor):
 @pytest.mark.parametrize(
     "changes, kind",
     [
-        (
-            {
-                "rope_parameters": {
-                    "rope_type": "longrope",
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [4.0] * 8,
-                    "original_max_position_embeddings": 64,
-                    "rope_theta": 10000.0,
-                }
-            },
-            "longrope",
-        ),
-        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"rope_parameters": {"rope_type": "made-up", "factor": 2.0, "rope_theta": 1e4}}, "'made-up'"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        # Phi-3's older name of LongRoPE is not one for a Llama (as in transformers)
+        ({"rope_parameters": {"rope_type": "su", "short_factor": [1.0] * 8, "rope_theta": 1e4}}, "'su'"),
     ],
 )
 def test_unsupported_rope_type(cases, tmp_path, changes, kind):
     folder = _copy(cases, tmp_path)
     edit_config(folder, **changes)
-    with pytest.raises(ValueError, match=kind):
+    with pytest.raises(ValueError, match=f"unsupported rope scaling {kind}.*; supported: default, linear, llama3"):
+        LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
+
+
+def test_longrope_factors_of_the_wrong_length(cases, tmp_path):
+    """One factor per pair of rotary dims (rotary_dim // 2), else refused naming both counts."""
+    folder = _copy(cases, tmp_path, "phi3_longrope")  # 12 rotary dims: 6 factors
+    edit_config(
+        folder,
+        rope_parameters={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+            "partial_rotary_factor": 0.75,
+            "rope_theta": 1e4,
+        },
+    )
+    with pytest.raises(ValueError, match="longrope factors have 8 entries; the rotary dims need 6"):
         LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=8))
 
 
