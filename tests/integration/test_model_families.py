@@ -16,16 +16,17 @@ import pytest
 import torch
 
 from pdserve.router.client import Client, make_request
-from tests.engine.models._layout_cases import NEEDS_TOKENIZER, _spec
+from tests.engine.models._layout_cases import LONG_FACTORS, NEEDS_TOKENIZER, _spec
 from tests.engine.models._tiny_models import BASE, build_model, hf_greedy, load_hf
 from tests.integration._pipeline import local_pipeline
 
 pytestmark = NEEDS_TOKENIZER
 pytest.importorskip("transformers")
 
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3", "phi3_longrope"]
 MAX_TOKENS = 32
 PROMPT_LENS = (1, 5, 23, 70, 150)
+LONG_PROMPT_LENS = (65, 70, 111, 150)  # LongRoPE's long factors: past the original 64 positions
 MODES = {
     # 16-token chunks beside the decoding rows; the second pass reads its prefixes from the cache
     "chunked+prefix-cache": dict(enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=True),
@@ -33,14 +34,15 @@ MODES = {
 }
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(name: str) -> list[list[int]]:
     gen = torch.Generator().manual_seed(99)
-    return [torch.randint(3, BASE["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    lens = LONG_PROMPT_LENS if name in LONG_FACTORS else PROMPT_LENS
+    return [torch.randint(3, BASE["vocab_size"], (n,), generator=gen).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    """name -> (checkpoint folder, transformers' greedy tokens for ``_prompts()``), built once."""
+    """name -> (checkpoint folder, transformers' greedy tokens for ``_prompts(name)``), built once."""
     from pdserve.engine.text.tokenizer import Tokenizer
 
     built: dict[str, tuple[Path, list[list[int]]]] = {}
@@ -50,7 +52,7 @@ def family(tmp_path_factory):
             model_cls, config, kwargs = _spec(name)
             folder = build_model(tmp_path_factory.mktemp(name), model_cls, config, **kwargs)
             eos = Tokenizer.from_folder(folder).eos_token_ids
-            built[name] = folder, hf_greedy(load_hf(folder), _prompts(), MAX_TOKENS, eos)
+            built[name] = folder, hf_greedy(load_hf(folder), _prompts(name), MAX_TOKENS, eos)
         return built[name]
 
     return get
@@ -70,7 +72,7 @@ async def _prefix_hit_tokens(address: str) -> int:
 @pytest.mark.parametrize("name", FAMILIES)
 async def test_greedy_matches_transformers(family, name, placement, mode):
     folder, ref = family(name)
-    prompts = _prompts()
+    prompts = _prompts(name)
     assert sum(len(r) for r in ref) > 2 * MAX_TOKENS  # the comparison is not vacuous
     async with local_pipeline(folder, placement, **MODES[mode]) as pipe, Client(pipe.address) as client:
         for _ in range(2):
