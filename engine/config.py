@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.models.gemma_config import family_fields
 from pdserve.engine.models.registry import (
     SUPPORTED_ARCHITECTURES,  # noqa: F401  (its former home)
     Family,
@@ -51,13 +52,21 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
     moe_layers: tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * this dims of each head (Phi-4-mini)
+    # Gemma (``pdserve.engine.models.gemma_config``): the gated MLP's activation, the attention scale
+    # (None: head_dim ** -0.5), tanh soft-caps of the attention scores and of the final logits
+    # (None: none), and the RoPE base of the sliding-window layers (None: rope_theta, scaled as the rest)
+    hidden_act: str = "silu"
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         """Read ``folder/config.json``.
 
         Raises FileNotFoundError when it is missing and ValueError for an architecture pdserve does
-        not run (the message lists those it does), an activation other than SiLU or an unsupported
+        not run (the message lists those it does), an activation its family lacks or an unsupported
         RoPE scaling.
         """
         path = Path(folder) / "config.json"
@@ -72,9 +81,7 @@ class ModelConfig:
         arch = archs[0]
         fam = family(arch)
         cfg = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # the forward pass hard-codes SiLU (swish is its other name)
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        cfg, own = family_fields(cfg, fam)  # the activation; Gemma's scale, soft-caps, layer types, RoPE bases
         rope_theta, rope_scaling = _rope(cfg, fam)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -111,6 +118,7 @@ class ModelConfig:
                 or cfg.get("partial_rotary_factor")
                 or 1.0
             ),
+            **own,
         )
 
 

@@ -46,7 +46,15 @@ class ModelRunner:
         self.dtype = getattr(torch, self.dtype_name)
         backends = {  # one per distinct sliding window
             window: select_backend(
-                cfg.attention_backend, self.device, self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim, window
+                cfg.attention_backend,
+                self.device,
+                self.dtype,
+                mc.num_heads,
+                mc.num_kv_heads,
+                mc.head_dim,
+                window,
+                mc.attention_scale,
+                mc.attn_logit_softcapping,
             )
             for window in dict.fromkeys(mc.layer_windows)
         }

@@ -39,6 +39,7 @@ class Attention:
         self.qkv, self.o, self.backend, self.ops = qkv, o, backend, ops
         self.num_heads, self.num_kv_heads, self.head_dim = shape
         self.qk_norm, self.eps = qk_norm, eps
+        self.norm = rms_norm  # the q/k norm's function (a family may set its own: Gemma's)
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
@@ -48,7 +49,7 @@ class Attention:
         T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         if self.qk_norm is not None:
-            qk.copy_(rms_norm(qk, self.qk_norm, self.eps))
+            qk.copy_(self.norm(qk, self.qk_norm, self.eps))
         if cos.shape[-1] == D:
             self.ops.rope_(qk, cos, sin)  # q and k at once, in place
         else:  # partial_rotary_factor: the first cos.shape[-1] dims of each head turn, the rest pass

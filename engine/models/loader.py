@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.embedded import resolve_embedded
@@ -28,7 +28,8 @@ def resolve_model_dir(model: str | None) -> Path:
     """Local folder for a model spec.
 
     ``None`` / ``"embedded"`` / ``"embedded:<preset>"``: the embedded model, built on first use.
-    ``"smollm2-135m"`` or a ``*.gguf`` file: converted once into a cached folder (``gguf.py``).
+    ``"smollm2-135m"``, ``"gemma3-270m"`` or a ``*.gguf`` file: converted once into a cached folder
+    (``gguf.py``).
     An existing folder: used as is. Anything else: a Hugging Face hub id, downloaded with
     ``huggingface_hub.snapshot_download`` (needs network). Raises FileNotFoundError with a
     readable message when the spec is neither a folder nor a downloadable hub id.
@@ -111,17 +112,24 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: str
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        for key, tensor in load_file(str(folder / name), device="cpu").items():
-            if key.startswith("model.") or key == "lm_head.weight":
-                weights[key] = tensor.to(device=device, dtype=dtype)
     module = family_module(cfg.architecture)
+    rename = getattr(module, "checkpoint_name", _decoder_tensor)  # the family's names, None: not needed
+    for name in files:
+        with safe_open(str(folder / name), "pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118  (a safetensors file is not iterable)
+                if (ours := rename(key)) is not None:
+                    weights[ours] = f.get_tensor(key).to(device=device, dtype=dtype)
     if hasattr(module, "normalize"):  # another checkpoint layout of the same tensors
         module.normalize(weights, cfg)
     for key in module.tensor_names(cfg):
         if key not in weights:
             raise KeyError(f"weights in {folder} lack tensor {key!r}")
     return weights
+
+
+def _decoder_tensor(key: str) -> str | None:
+    """A decoder's tensors keep their names; any other (a vision tower's, say) is not loaded."""
+    return key if key.startswith("model.") or key == "lm_head.weight" else None
 
 
 def required_tensor_names(cfg: ModelConfig) -> list[str]:

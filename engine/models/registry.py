@@ -12,7 +12,9 @@ A family module defines:
 * ``build(cfg, weights, attention, ops) -> CausalLM`` (``pdserve.engine.models.decoder``): the model,
   where ``attention(layer)`` is that layer's attention backend;
 * optionally ``normalize(weights, cfg)``: rewrite tensors of another checkpoint layout (fused q|k|v,
-  3-D expert stacks) into the names ``tensor_names`` lists, in place, before they are checked.
+  3-D expert stacks) into the names ``tensor_names`` lists, in place, before they are checked;
+* optionally ``checkpoint_name(key) -> str | None``: the name a checkpoint's tensor loads under, or
+  None to leave it unloaded (Gemma 3's vision tower); by default ``model.*`` and ``lm_head.weight``.
 
 Adding a family: write the module over the blocks in ``pdserve.engine.models.blocks``, add its
 architectures here, and any config.json fields it reads to ``ModelConfig``.
@@ -35,6 +37,8 @@ class Family:
     applies to the layers config.json's ``layer_types`` marks ``sliding_attention``, or without
     them to layers from ``max_window_layers`` on; otherwise to every layer. ``norm_topk_prob``: the
     routed experts' weights are renormalised to sum to 1 (None: as config.json's ``norm_topk_prob``).
+    ``gemma``: Gemma's generation (2 or 3), whose own config.json fields
+    ``pdserve.engine.models.gemma_config`` reads.
     ``longrope_aliases``: RoPE scaling types this family reads as ``longrope`` (Phi-3's older "su"
     and "yarn", as transformers' ``Phi3Config`` does).
     """
@@ -46,6 +50,7 @@ class Family:
     layer_types: bool = False
     norm_topk_prob: bool | None = None
     longrope_aliases: tuple[str, ...] = ()
+    gemma: int = 0
 
 
 ARCHITECTURES: dict[str, Family] = {
@@ -56,6 +61,9 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family("qwen3", qk_norm=True, window_flag=True),
     "MixtralForCausalLM": Family("mixtral", norm_topk_prob=True),
     "Phi3ForCausalLM": Family("phi3", longrope_aliases=("su", "yarn")),
+    "Gemma2ForCausalLM": Family("gemma", layer_types=True, gemma=2),
+    "Gemma3ForCausalLM": Family("gemma", qk_norm=True, layer_types=True, gemma=3),
+    "Gemma3ForConditionalGeneration": Family("gemma", qk_norm=True, layer_types=True, gemma=3),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
