@@ -2,8 +2,8 @@
 ``generate()`` in split and colocated placement, with chunked prefill and prefix caching and
 without; and a split pair of two families refuses the KV between them.
 
-The checkpoints are the tiny random ones of tests/engine/models/_layout_cases.py (built by
-transformers itself, seeded, float32, with the stories260K tokenizer).
+The checkpoints are the tiny random ones of tests/engine/models/_layout_cases.py and _gemma_cases.py
+(built by transformers itself, seeded, float32, with the stories260K tokenizer).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pdserve.router.client import Client, make_request
+from tests.engine.models._gemma_cases import build_gemma
 from tests.engine.models._layout_cases import LONG_FACTORS, NEEDS_TOKENIZER, _spec
 from tests.engine.models._tiny_models import BASE, build_model, hf_greedy, load_hf
 from tests.integration._pipeline import local_pipeline
@@ -23,7 +24,7 @@ from tests.integration._pipeline import local_pipeline
 pytestmark = NEEDS_TOKENIZER
 pytest.importorskip("transformers")
 
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3", "phi3_longrope"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "phi3", "phi3_longrope", "gemma2", "gemma3"]  # Gemma: windows of 16
 MAX_TOKENS = 32
 PROMPT_LENS = (1, 5, 23, 70, 150)
 LONG_PROMPT_LENS = (65, 70, 111, 150)  # LongRoPE's long factors: past the original 64 positions
@@ -49,8 +50,12 @@ def family(tmp_path_factory):
 
     def get(name: str) -> tuple[Path, list[list[int]]]:
         if name not in built:
-            model_cls, config, kwargs = _spec(name)
-            folder = build_model(tmp_path_factory.mktemp(name), model_cls, config, **kwargs)
+            folder = tmp_path_factory.mktemp(name)
+            if name.startswith("gemma"):
+                build_gemma(folder, name)
+            else:
+                model_cls, config, kwargs = _spec(name)
+                build_model(folder, model_cls, config, **kwargs)
             eos = Tokenizer.from_folder(folder).eos_token_ids
             built[name] = folder, hf_greedy(load_hf(folder), _prompts(name), MAX_TOKENS, eos)
         return built[name]
