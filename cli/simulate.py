@@ -155,6 +155,8 @@ def cmd_simulate(args) -> int:
         backend="simulate",
         target=args.profile,
         prefix_cache=prefix_cache,
+        host_cores=args.host_cores,
+        serving_costs=serving is not None,
     )
     if sim.roles is not None:
         summary["role_switches"] = [vars(s) for s in sim.roles.switches]

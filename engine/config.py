@@ -72,13 +72,26 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        return cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed ``config.json`` (see ``from_folder`` for errors)."""
+        """Build from a parsed ``config.json`` (see ``from_folder`` for errors; also ValueError when
+        ``architectures`` is not a list or a field the model needs is missing)."""
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
+        if not isinstance(archs, list) or not isinstance(archs[0], str):
+            raise ValueError(f"config.json: 'architectures' must be a list of names, got {archs!r}")
+        try:
+            return cls._from_dict(raw, archs[0])
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks {exc.args[0]!r}, which a {archs[0]} model needs") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any], arch: str) -> ModelConfig:
         fam = family(arch)
         cfg = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
         cfg, own = family_fields(cfg, fam)  # the activation; Gemma's scale, soft-caps, layer types, RoPE bases

@@ -39,8 +39,11 @@ class ServingModel:
         values = {}
         for name in SERVING_UNITS:
             c = coefs.get(name) if isinstance(coefs, dict) else None
-            if not isinstance(c, dict) or not isinstance(c.get("value"), (int, float)):
+            if not isinstance(c, dict) or "value" not in c:
                 raise ValueError(f"profile has no coefficient fits.serving.coefficients.{name}")
+            v = c["value"]
+            if not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"profile coefficient fits.serving.coefficients.{name} must be >= 0, got {v!r}")
             values[name] = float(c["value"])
         return cls(**values)
 

@@ -134,6 +134,10 @@ class StepModel:
                     raise ValueError(f"profile has no coefficient fits.{section}.coefficients.{name}")
                 values[name] = coef["value"]
         values["h1"] = math.inf if values["h1"] is None else values["h1"]
+        for name, v in values.items():
+            if not isinstance(v, (int, float)) or not (v > 0 if name == "h1" else v >= 0) or math.isnan(v):
+                bound = "> 0" if name == "h1" else ">= 0"
+                raise ValueError(f"profile coefficient {name} must be a number {bound}, got {v!r}")
         return cls(**{k: float(v) for k, v in values.items()})
 
 

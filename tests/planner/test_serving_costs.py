@@ -109,3 +109,21 @@ def test_the_probe_fit_recovers_known_costs():
     assert fit["error"]["max_rel"] < 1e-6 and fit["router_cpu_error"]["max_rel"] < 1e-6
     with pytest.raises(ValueError, match="at least 2 points"):
         fit_serving(points[:1])
+
+
+@pytest.mark.parametrize(
+    "section, name, value, message",
+    [
+        ("handoff", "h1", 0, "coefficient h1 must be a number > 0"),
+        ("prefill", "p0", -1, "coefficient p0 must be a number >= 0"),
+        ("decode", "d1", float("nan"), "coefficient d1 must be a number >= 0"),
+        ("serving", "r1", -5, "fits.serving.coefficients.r1 must be >= 0"),
+        ("serving", "s0", float("nan"), "fits.serving.coefficients.s0 must be >= 0"),
+    ],
+)
+def test_coefficients_that_no_machine_measures_are_refused(section, name, value, message):
+    profile = with_serving(toy_profile(), SERVING)
+    profile["fits"][section]["coefficients"][name]["value"] = value
+    with pytest.raises(ValueError, match=message):
+        StepModel.from_profile(profile)
+        ServingModel.from_profile(profile)

@@ -34,6 +34,8 @@ BENCH_EXTRA_KEYS = {
     "backend",
     "target",
     "prefix_cache",
+    "host_cores",
+    "serving_costs",
 }  # fmt: skip  (cli/bench.py cmd_bench's summary.update)
 WORKLOAD = ["--arrival", "poisson", "--rate", "20", "--num-requests", "12", "--input-len", "48", "--output-len", "6"]
 

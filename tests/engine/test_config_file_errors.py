@@ -1,0 +1,26 @@
+"""config.json problems a user meets get one clear ValueError, not a KeyError or a wrong guess."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.config import ModelConfig
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"architectures": "LlamaForCausalLM"}, "'architectures' must be a list of names"),
+        ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "lacks 'num_attention_heads'"),
+        ({"model_type": "llama", "hidden_size": 64}, "lacks 'num_attention_heads', which a LlamaForCausalLM"),
+    ],
+)
+def test_a_bad_config_gets_one_clear_error(raw, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_a_config_that_is_not_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        ModelConfig.from_folder(tmp_path)
