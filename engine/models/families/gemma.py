@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.attention import AttentionMetadata
-from pdserve.engine.models.blocks import Attention, Weights, attention_block, attention_tensor_names, gated_mlp
-from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.blocks import Attention, Weights, attention_block, gated_mlp
+from pdserve.engine.models.decoder import CausalLM, pre_norm_tensor_names
 from pdserve.engine.models.rope import rope_inv_freq
 
 MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -129,14 +129,8 @@ def checkpoint_name(key: str) -> str | None:
 
 
 def tensor_names(cfg: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += attention_tensor_names(cfg, p + "self_attn.")
-        names += [f"{p}{n}.weight" for n in NORMS] + [f"{p}{n}.weight" for n in MLP]
-    return names
+    # the pre-norm layout's tensors, and Gemma's two norms around the MLP beside its own
+    return pre_norm_tensor_names(cfg, lambda i, p: [f"{p}{n}.weight" for n in (*NORMS[2:], *MLP)])
 
 
 def build(cfg: ModelConfig, weights: Weights, attention, ops) -> CausalLM:

@@ -234,3 +234,14 @@ def _assert_same_tokens(ours: list[list[int]], ref: list[list[int]]) -> None:
         assert o[: len(r)] == r, f"prompt {i}: ours {o} != transformers {r}"
         # the engine stops exactly where transformers does (EOS or max_tokens)
         assert len(o) == len(r), f"prompt {i}: {len(o)} tokens vs transformers {len(r)}"
+
+
+def checkpoint_tensor_names(folder: Path) -> set[str]:
+    """The tensor names a saved checkpoint's safetensors files hold."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            names |= set(st.keys())
+    return names

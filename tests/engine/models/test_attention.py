@@ -49,6 +49,17 @@ def random_paged_batch(lens, block_size, num_kv_heads, head_dim, dtype, gen):
     return k_cache, v_cache, tables, table_tensor
 
 
+def decode_metadata(lens, table_tensor) -> AttentionMetadata:
+    """A decode step's metadata: one query row per sequence, at the last of its ``lens`` positions."""
+    return AttentionMetadata(
+        False,
+        torch.zeros(len(lens), dtype=torch.int64),
+        table_tensor,
+        torch.tensor(lens, dtype=torch.int32),
+        torch.arange(len(lens) + 1, dtype=torch.int32),
+    )
+
+
 def contiguous_kv(cache, table, n, block_size):
     slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
     return cache.flatten(0, 1)[slots]
@@ -76,13 +87,7 @@ def test_decode_matches_dense_reference(case, backend, dtype):
     # q as a row-strided view, like the decoder's q|k slice of the fused projection
     qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
     q = qk[:, :heads]
-    meta = AttentionMetadata(
-        False,
-        torch.zeros(len(lens), dtype=torch.int64),
-        table_tensor,
-        torch.tensor(lens, dtype=torch.int32),
-        torch.arange(len(lens) + 1, dtype=torch.int32),
-    )
+    meta = decode_metadata(lens, table_tensor)
     out = make_backend(backend, dtype, head_dim, window).decode(q, k_cache, v_cache, meta)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == dtype
     for i, n in enumerate(lens):

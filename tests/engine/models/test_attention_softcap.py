@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine.models.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, select_backend
-from tests.engine.models.test_attention import TOL, contiguous_kv, random_paged_batch
+from tests.engine.models.test_attention import TOL, contiguous_kv, decode_metadata, random_paged_batch
 
 SCALE, CAP = 0.3, 2.0  # scores of random q, k at this scale reach well beyond the cap
 
@@ -42,13 +42,7 @@ def test_decode_and_prefill_match_the_capped_reference(backend, window, dtype, h
     tol = TOL[dtype]
     # decode: one query per sequence, the last of its positions
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
-    meta = AttentionMetadata(
-        False,
-        torch.zeros(len(lens), dtype=torch.int64),
-        table_tensor,
-        torch.tensor(lens, dtype=torch.int32),
-        torch.arange(len(lens) + 1, dtype=torch.int32),
-    )
+    meta = decode_metadata(lens, table_tensor)
     out = attn.decode(q, k_cache, v_cache, meta)
     for i, n in enumerate(lens):
         keys, vals = (contiguous_kv(c, tables[i], n, block_size) for c in (k_cache, v_cache))

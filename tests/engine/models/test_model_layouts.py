@@ -22,6 +22,7 @@ from tests.engine.models._layout_cases import (
     NEEDS_TOKENIZER,
     _assert_same_tokens,
     _prompts,
+    checkpoint_tensor_names,
     make_engine,
 )
 from tests.engine.models._tiny_models import BASE, build_model, engine_logits, hf_greedy, hf_logits, load_hf
@@ -70,27 +71,18 @@ def test_logits_match_transformers(cases, name):
 
 def test_layout_files_are_what_the_cases_claim(cases):
     """Guards the premises of the cases above (transformers may change what it saves)."""
-    from safetensors import safe_open
-
-    def tensor_names(folder: Path) -> set[str]:
-        names: set[str] = set()
-        for f in folder.glob("*.safetensors"):
-            with safe_open(str(f), "pt") as st:
-                names |= set(st.keys())
-        return names
-
     gqa = ModelConfig.from_folder(cases("llama_gqa").folder)
     assert (gqa.num_heads, gqa.num_kv_heads, gqa.tie_word_embeddings, gqa.rope_theta) == (8, 2, False, 50000.0)
-    assert "lm_head.weight" in tensor_names(cases("llama_gqa").folder)
+    assert "lm_head.weight" in checkpoint_tensor_names(cases("llama_gqa").folder)
 
     tied = cases("llama_tied")
     assert ModelConfig.from_folder(tied.folder).tie_word_embeddings
-    assert "lm_head.weight" not in tensor_names(tied.folder)
+    assert "lm_head.weight" not in checkpoint_tensor_names(tied.folder)
 
     qwen = cases("qwen2")
     qcfg = ModelConfig.from_folder(qwen.folder)
     assert qcfg.architecture == "Qwen2ForCausalLM" and qcfg.attention_bias and qcfg.tie_word_embeddings
-    names = tensor_names(qwen.folder)
+    names = checkpoint_tensor_names(qwen.folder)
     assert "model.layers.0.self_attn.q_proj.bias" in names and "lm_head.weight" not in names
 
     mistral = cases("mistral")

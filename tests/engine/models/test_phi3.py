@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.models._layout_cases import MAX_TOKENS, NEEDS_TOKENIZER, _assert_same_tokens, longrope, make_engine
+from tests.engine.models._layout_cases import (
+    MAX_TOKENS,
+    NEEDS_TOKENIZER,
+    _assert_same_tokens,
+    checkpoint_tensor_names,
+    longrope,
+    make_engine,
+)
 
 pytestmark = [NEEDS_TOKENIZER, pytest.mark.usefixtures("_one_thread")]  # _one_thread: see conftest.py
 
@@ -20,23 +27,13 @@ from pdserve.engine.config import ModelConfig  # noqa: E402
 from pdserve.engine.params import SamplingParams  # noqa: E402
 
 
-def _tensor_names(folder: Path) -> set[str]:
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            names |= set(st.keys())
-    return names
-
-
 def _inv_freq(factors: list[float], dim: int, base: float = 10000.0) -> torch.Tensor:
     return 1.0 / (torch.tensor(factors) * base ** (torch.arange(0, dim, 2).float() / dim))
 
 
 def test_phi3_files_are_what_the_cases_claim(cases):
     folder = cases("phi3").folder
-    names = _tensor_names(folder)
+    names = checkpoint_tensor_names(folder)
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= names
     assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
     cfg = ModelConfig.from_folder(folder)
