@@ -31,8 +31,8 @@ p90 over the SLO) and whether its goodput, TTFT p50/p90 and TPOT p50 are within 
 (read only below saturation), then one line over the rows below saturation. ``--out`` (default
 ``plan-accuracy-out/``) gets ``report.md``, ``accuracy.json`` (every figure), ``profile.json`` and
 each run's folder (``predicted/`` and ``measured/`` with their ``summary.json``, and logs).
-``--predict-only`` simulates again against the ``measured/`` an earlier run left in ``--out`` (a
-change to the simulator or a new profile, checked in seconds instead of a cluster start per run).
+``--predict-only`` runs the simulations only and compares them with the ``measured/`` folders
+already in ``--out`` (a simulator change or a new profile, checked in seconds, no cluster).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--predict-only",
         action="store_true",
-        help="simulate again against the measurements an earlier run left in --out (no cluster, no bench)",
+        help="run the simulations only; compare them with the measured/ folders already in --out (no cluster)",
     )
     p.add_argument(
         "--host-cores",
