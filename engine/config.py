@@ -61,6 +61,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
 
+    @property
+    def kv_window(self) -> int | None:
+        """Positions of KV a query can still need when every layer has a sliding window (the
+        largest of them), else None: positions further back than this from the next query are
+        never read, so their blocks can be freed (``BlockManager.free_outside_window``). A model
+        with any full-attention layer (Gemma's global layers) keeps every block."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return None
+        return max(self.layer_windows)
+
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         """Read ``folder/config.json``.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,34 +20,14 @@ from pdserve.engine.kv.fingerprint import layer_layout
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import config_hash, resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
-from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.block_manager import NULL_BLOCK, BlockManager
 from pdserve.engine.scheduling.prefix_hash import prefix_hashes
 from pdserve.engine.scheduling.scheduler import Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
+from pdserve.engine.step_types import KvCacheFullError, StepError, StepOutput
 from pdserve.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class KvCacheFullError(RuntimeError):
-    """The paged KV cache has too few free blocks for a request right now (retry later)."""
-
-
-class StepError(RuntimeError):
-    """A model step failed; ``seqs`` were finished with ERROR and freed."""
-
-    def __init__(self, cause: Exception, seqs: list[Sequence]) -> None:
-        super().__init__(f"model step failed: {cause!r}")
-        self.seqs = seqs
-
-
-@dataclass
-class StepOutput:
-    """A token sampled for ``seq`` in one step. ``prefill`` is True for the first token after a prefill."""
-
-    seq: Sequence
-    token: int
-    prefill: bool
 
 
 class LLMEngine:
@@ -72,7 +51,12 @@ class LLMEngine:
         self.clock = clock or time.monotonic_ns
         self.prefill_busy_ns = self.decode_busy_ns = 0  # in steps with a prompt chunk / decode-only steps
         self.model_cfg = self.runner.model_cfg
-        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            sliding_window=self.model_cfg.kv_window,
+        )
         self.scheduler = Scheduler(
             self.blocks,
             cfg.max_num_seqs,
@@ -119,11 +103,12 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"context window of {self.max_model_len} tokens"
             )
-        if self.blocks.blocks_for(n + sampling.max_tokens) > self.blocks.num_blocks:
-            raise ValueError(
-                f"request needs {self.blocks.blocks_for(n + sampling.max_tokens)} KV blocks; "
-                f"the cache has {self.blocks.num_blocks}"
-            )
+        need = self.blocks.blocks_for(n + sampling.max_tokens)
+        if self.model_cfg.kv_window is not None:  # blocks behind the window are freed as it moves
+            step = self.cfg.token_budget if self.cfg.enable_chunked_prefill else n
+            need = min(need, self.blocks.blocks_for(self.model_cfg.kv_window + step) + 1)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks; the cache has {self.blocks.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
         """Queue a prompt for prefill (ValueError as in ``check_request``)."""
@@ -153,7 +138,9 @@ class LLMEngine:
         """Place a prefilled sequence (prompt KV + first token) into the running batch.
 
         ``payload.kv``: [num_layers, 2, num_prompt_tokens - kv_start, num_kv_heads, head_dim]; with
-        ``kv_start`` > 0 the positions before it come from the prefix ``pin_prefix`` held.
+        ``kv_start`` > 0 the positions before it come from the prefix ``pin_prefix`` held or, on a
+        model with a sliding window on every layer, lie before the window of the first decode query
+        (``BlockManager.window_start``) and are never needed: their table entries are ``NULL_BLOCK``.
         Raises ValueError when the request can never fit or the prefix held for it is not the
         payload's, and KvCacheFullError when blocks are short now (the prefix stays held for a
         retry), unless ``preempt``: then running sequences holding the most blocks are preempted
@@ -165,11 +152,18 @@ class LLMEngine:
         rid, k = payload.request_id, payload.kv_start
         kb = k // self.cfg.block_size
         held = self._pinned.get(rid)
-        if k and (
-            held is None
-            or held.token_ids[:k] != list(payload.token_ids[:k])
-            or held.block_hashes[:kb] != list(payload.prefix_hashes)
-            or len(held.block_table) < kb
+        dropped = 0 < k <= self.blocks.window_start(len(payload.token_ids))
+        if dropped and list(payload.prefix_hashes) != prefix_hashes(payload.token_ids[:k], self.cfg.block_size):
+            raise ValueError(f"request {rid}: the prefix hashes of its KV do not match its tokens")
+        if (
+            k
+            and not dropped
+            and (
+                held is None
+                or held.token_ids[:k] != list(payload.token_ids[:k])
+                or held.block_hashes[:kb] != list(payload.prefix_hashes)
+                or len(held.block_table) < kb
+            )
         ):
             raise ValueError(
                 f"request {rid}: its KV starts at position {k}, but this worker holds no such prefix for it"
@@ -184,7 +178,10 @@ class LLMEngine:
                 f"{self.blocks.num_free} free KV blocks and {len(self.scheduler.waiting)} "
                 f"sequences waiting for some; request {rid} needs {need}"
             )
-        if k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
+        if dropped:  # positions before k are outside the window: no block for them
+            self.unpin(rid)
+            seq.block_table, seq.block_hashes = [NULL_BLOCK] * kb, list(payload.prefix_hashes)
+        elif k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
             del self._pinned[rid]
             seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]
             seq.block_hashes = held.block_hashes[:kb]
@@ -196,6 +193,7 @@ class LLMEngine:
         self.runner.write_kv(seq, payload.kv, k)
         self.scheduler.admit_running(seq)
         self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
+        self.blocks.free_outside_window(seq)
         return seq
 
     def extract_kv(
@@ -203,10 +201,11 @@ class LLMEngine:
     ) -> KvPayload:
         """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
         token; only from ``skip_tokens`` on, rounded down to whole blocks, when the receiver holds
-        the positions before) and the last token as ``first_token``. Frees its blocks. ``alloc``:
+        the positions before, and only from ``BlockManager.window_start`` on when every layer has a
+        sliding window) and the last token as ``first_token``. Frees its blocks. ``alloc``:
         see ``ModelRunner.read_kv``."""
         n, bs = seq.num_tokens - 1, self.cfg.block_size
-        start = min(skip_tokens, n - 1) // bs * bs
+        start = min(max(skip_tokens, self.blocks.window_start(n)), n - 1) // bs * bs
         kv = self.runner.read_kv(seq, n, alloc, start)
         payload = KvPayload(
             seq.request_id,

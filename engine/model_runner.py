@@ -16,6 +16,7 @@ from pdserve.engine.models.loader import load_weights
 from pdserve.engine.models.ops import select_ops
 from pdserve.engine.models.registry import family_module
 from pdserve.engine.sampling import sample
+from pdserve.engine.scheduling.block_manager import NULL_BLOCK
 from pdserve.engine.scheduling.scheduler import Batch
 from pdserve.engine.scheduling.sequence import Sequence
 
@@ -94,6 +95,8 @@ class ModelRunner:
         seqs, counts = batch.seqs, batch.num_query_tokens
         width = max(len(s.block_table) for s in seqs)
         tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+        if self.model_cfg.kv_window is not None:  # entries freed outside the window (-1) point at block 0, never read
+            tables.clamp_(min=0)
         starts = [s.num_computed_tokens for s in seqs]
         ends = [a + n for a, n in zip(starts, counts)]
         lens = self._tensor(ends, torch.int32)
@@ -142,6 +145,8 @@ class ModelRunner:
         if len(table) < num_blocks:
             raise ValueError(f"{n} positions need {num_blocks} blocks; {seq.request_id} has {len(table)}")
         runs, i = [], start // bs
+        if NULL_BLOCK in table[i:num_blocks]:
+            raise ValueError(f"{seq.request_id}: positions from {start} include blocks freed outside the window")
         while i < num_blocks:
             j = i + 1
             while j < num_blocks and table[j] == table[j - 1] + 1:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pdserve.engine.scheduling.prefix_hash import BlockHash, hash_block
 from pdserve.engine.scheduling.sequence import Sequence
 
+NULL_BLOCK = -1  # a block-table entry whose block was freed: its positions fell out of the sliding window
+
 
 class BlockManager:
     """Owns ``num_blocks`` KV blocks of ``block_size`` token slots each.
@@ -26,6 +28,13 @@ class BlockManager:
     sequences with a common prefix share its blocks. A block nobody references keeps its content
     and stays reclaimable: allocation takes never-used blocks first, then evicts cached ones least
     recently freed first (a sequence's last block before its first, so prefixes outlive tails).
+
+    With ``sliding_window`` (a model whose every layer attends to at most that many latest
+    positions, ``ModelConfig.kv_window``), ``free_outside_window`` drops a sequence's blocks that
+    no later query can read, as vLLM's sliding-window manager does: their table entries become
+    ``NULL_BLOCK`` (the table keeps its length, so ``p // block_size`` still indexes it), a sequence
+    holds about ``sliding_window / block_size + 1`` blocks however long it grows, and a hashed block
+    stays cached for later prefixes.
     """
 
     def __init__(
@@ -34,8 +43,12 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         hash_fn: Callable[[BlockHash | None, tuple[int, ...]], BlockHash] = hash_block,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn
@@ -47,6 +60,7 @@ class BlockManager:
         self._by_hash: dict[BlockHash, int] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up (counted once per admission)
         self.num_prefix_hits = 0  # of those, tokens found cached
+        self.num_window_freed = 0  # blocks freed because their positions left the sliding window
 
     # -- occupancy ------------------------------------------------------------------------------
     @property
@@ -63,6 +77,10 @@ class BlockManager:
     def num_cached(self) -> int:
         """Blocks that hold a reusable prefix (referenced or not)."""
         return len(self._by_hash)
+
+    def num_held(self, seq: Sequence) -> int:
+        """Blocks ``seq`` references (its table less the entries freed outside the window)."""
+        return len(seq.block_table) - seq.block_table.count(NULL_BLOCK)
 
     def blocks_for(self, num_positions: int) -> int:
         """Blocks needed to hold ``num_positions`` KV positions."""
@@ -108,14 +126,39 @@ class BlockManager:
         """Drop ``seq``'s reference to each of its blocks (no-op when it holds none). A block left
         unreferenced stays cached when it holds a hashed prefix, else it is free."""
         for block in reversed(seq.block_table):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                if self._block_hash[block] is None:
-                    self._free.append(block)
-                else:
-                    self._evictable[block] = None
+            if block != NULL_BLOCK:
+                self._release(block)
         seq.block_table = []
         seq.block_hashes = []
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if self._block_hash[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+
+    def window_start(self, next_position: int) -> int:
+        """First position a query at ``next_position`` or later can read, rounded down to a block
+        boundary: 0 without a sliding window. A query at p sees keys p - window + 1 .. p
+        (transformers' sliding-window rule)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, next_position - self.sliding_window + 1) // self.block_size * self.block_size
+
+    def free_outside_window(self, seq: Sequence) -> int:
+        """Free ``seq``'s blocks that lie wholly before the window of its next query (at position
+        ``num_computed_tokens``); returns how many (0 without a sliding window)."""
+        table, freed = seq.block_table, 0
+        i = min(self.window_start(seq.num_computed_tokens) // self.block_size, len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:  # the freed entries are always a prefix of the table
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+            freed += 1
+            i -= 1
+        self.num_window_freed += freed
+        return freed
 
     # -- prefix caching -------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:

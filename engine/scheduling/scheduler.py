@@ -47,7 +47,9 @@ class Scheduler:
     When KV blocks run short for a running sequence, the most recently admitted other running
     sequence is preempted: its blocks are freed and it waits, at the head of the queue, to be
     recomputed (its prompt and the tokens it produced). With prefix caching a waiting sequence
-    starts from the longest cached prefix of its tokens.
+    starts from the longest cached prefix of its tokens. With a sliding window on every layer,
+    each finished step frees the blocks that fell out of the window
+    (``BlockManager.free_outside_window``), so a chunked prefill holds about window + chunk positions.
     """
 
     def __init__(
@@ -228,7 +230,7 @@ class Scheduler:
         blocks are free (or nothing runs); they wait first in line, in that order, to be recomputed."""
         victims = []
         while self.blocks.num_free < num_blocks and self.running:
-            victim = max(self.running, key=lambda s: len(s.block_table))
+            victim = max(self.running, key=self.blocks.num_held)
             self._preempt(victim)
             victims.append(self.waiting.popleft())
         self.waiting.extendleft(reversed(victims))
@@ -237,9 +239,9 @@ class Scheduler:
         """KV blocks kept the head of the waiting queue out for ``PREEMPT_AFTER_STEPS`` steps:
         preempt the running sequence holding the most blocks, which then waits second in line."""
         self._blocked_steps = 0
-        victims = [s for s in self.running if s.block_table]
+        victims = [s for s in self.running if self.blocks.num_held(s)]
         if victims:
-            victim = max(victims, key=lambda s: len(s.block_table))
+            victim = max(victims, key=self.blocks.num_held)
             self._preempt(victim)
             self.waiting.remove(victim)
             self.waiting.insert(1, victim)
@@ -268,6 +270,7 @@ class Scheduler:
             prefill = samples and not seq.is_decoding
             seq.num_computed_tokens += batch.num_query_tokens[i]
             self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
+            self.blocks.free_outside_window(seq)
             token = next(it) if samples else None
             if token is not None:
                 seq.append_token(token)
