@@ -15,6 +15,7 @@ from pdserve.engine.models.registry import (
 )
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, of the decoder's linears (engine/models/quant.py)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -243,6 +244,8 @@ class EngineConfig:
     ``max_num_seqs`` bounds the sequences of any step. ``enable_prefix_caching`` keeps full KV
     blocks for reuse by later requests with the same prefix.
     ``torch_threads`` (CPU only) sets ``torch.set_num_threads`` for the worker process.
+    ``quantization`` ("none", "int8" or "int4") quantizes the decoder layers' linear weights
+    (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``.
     """
 
     model: str
@@ -259,6 +262,7 @@ class EngineConfig:
     torch_threads: int | None = None
     attention_backend: str = "auto"
     target_itl_ms: float | None = None  # chunked prefill: size each step's prompt chunk to this step time
+    quantization: str = "none"
 
     @property
     def token_budget(self) -> int:
@@ -270,6 +274,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in ("auto", *KV_DTYPES):
             raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_num_seqs < 1 or self.token_budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):

@@ -84,6 +84,7 @@ class LLMEngine:
             weights_hash(self.model_dir),
             config_hash(self.model_dir),
             layer_layout([mc.head_dim] * mc.num_layers, list(mc.layer_windows)),
+            cfg.quantization,
         )
         self._digest = self.fingerprint.digest()
         self._pinned: dict[str, Sequence] = {}  # request id -> prefix held for its coming KV (pin_prefix)

@@ -14,6 +14,7 @@ from pdserve.engine.models.attention import AttentionMetadata, select_backend
 from pdserve.engine.models.dtype import resolve_dtype
 from pdserve.engine.models.loader import load_weights
 from pdserve.engine.models.ops import select_ops
+from pdserve.engine.models.quant import quantization
 from pdserve.engine.models.registry import family_module
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduling.block_manager import NULL_BLOCK
@@ -59,12 +60,13 @@ class ModelRunner:
             )
             for window in dict.fromkeys(mc.layer_windows)
         }
-        self.model = family_module(mc.architecture).build(
-            mc,
-            load_weights(model_dir, mc, self.dtype, cfg.device),
-            lambda layer: backends[mc.layer_windows[layer]],
-            select_ops(self.device, self.dtype),
-        )
+        with quantization(cfg.quantization):  # the decoder layers' linears (engine/models/quant.py)
+            self.model = family_module(mc.architecture).build(
+                mc,
+                load_weights(model_dir, mc, self.dtype, cfg.device),
+                lambda layer: backends[mc.layer_windows[layer]],
+                select_ops(self.device, self.dtype),
+            )
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)
         self.kv_cache = torch.zeros(

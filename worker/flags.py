@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import KV_DTYPES, EngineConfig
+from pdserve.engine.config import KV_DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def positive_int(text: str) -> int:
@@ -136,6 +136,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "hardware has native bfloat16 matmul; float32 keeps the exact path",
     )
     parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="weight-only quantization of the decoder layers' linears: int8 (per output channel) or "
+        "int4 (groups of 32 inputs); embeddings, lm_head and the KV cache stay in --dtype. Pays on "
+        "CPU with bfloat16 activations (docs/models.md#quantization)",
+    )
+    parser.add_argument(
         "--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU per worker, else cpu"
     )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")
@@ -170,4 +178,5 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
         torch_threads=args.threads,
         attention_backend=args.attention_backend,
         target_itl_ms=args.target_itl_ms,
+        quantization=args.quantization,
     )

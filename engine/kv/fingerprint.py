@@ -30,7 +30,9 @@ class ModelFingerprint:
     epsilon or activation, which would compute other keys and values, are told apart too.
     ``architecture`` names the model family's architecture (config.json ``architectures[0]``), so
     KV from another family is refused by name, and ``layers`` each layer's KV layout
-    (``layer_layout``: head_dim and sliding window).
+    (``layer_layout``: head_dim and sliding window). ``quantization`` is the weight-only
+    quantization of the linears (``"none"``, ``"int8"`` or ``"int4"``, ``EngineConfig.quantization``):
+    the same weights quantized otherwise compute other keys and values.
     """
 
     architecture: str
@@ -43,6 +45,7 @@ class ModelFingerprint:
     weights_hash: str = "-"
     config_hash: str = "-"
     layers: str = "-"
+    quantization: str = "none"
 
     def to_dict(self) -> dict:
         """Plain dict of all fields, suitable for msgpack."""

@@ -3,7 +3,8 @@
 Math follows the Hugging Face ``transformers`` implementations, so that greedy output is
 token-identical to ``generate()`` in float32: rotate-half RoPE, grouped-query attention, SwiGLU MLP,
 top-k routed experts. Each block holds its weights fused and laid out once for the device (q|k|v and
-gate|up are one GEMM each, ``pdserve.engine.models.linear``); the attention backend
+gate|up are one GEMM each, ``pdserve.engine.models.linear``; these projections and the experts'
+are the linears ``--quantization`` quantizes, the MoE router is not); the attention backend
 (``pdserve.engine.models.attention``) and elementwise ops (``pdserve.engine.models.ops``) are chosen at
 start. ``attention_block``, ``gated_mlp`` and ``moe_block`` build them from Hugging Face tensor names.
 """
@@ -121,8 +122,9 @@ def attention_block(
         make_linear(
             fuse_rows(*(w[prefix + f"{x}_proj.weight"] for x in "qkv"), sizes=sizes),
             fuse_rows(*(w.get(prefix + f"{x}_proj.bias") for x in "qkv"), sizes=sizes),
+            quantizable=True,
         ),
-        make_linear(w[prefix + "o_proj.weight"], w.get(prefix + "o_proj.bias")),
+        make_linear(w[prefix + "o_proj.weight"], w.get(prefix + "o_proj.bias"), quantizable=True),
         (H, Hkv, D),
         backend,
         ops,
@@ -138,8 +140,9 @@ def gated_mlp(w: Weights, gate: str, up: str, down: str, ops: ElementwiseOps) ->
         make_linear(
             fuse_rows(w[gate + ".weight"], w[up + ".weight"], sizes=(size, size)),
             fuse_rows(w.get(gate + ".bias"), w.get(up + ".bias"), sizes=(size, size)),
+            quantizable=True,
         ),
-        make_linear(w[down + ".weight"], w.get(down + ".bias")),
+        make_linear(w[down + ".weight"], w.get(down + ".bias"), quantizable=True),
         ops,
     )
 

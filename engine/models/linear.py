@@ -14,6 +14,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.models.quant import current_scheme, quantized_linear
+
 # oneDNN picks its blocked layout for this many rows; 1-32 rows measured equal, 2048 slower at 32
 PACK_ROWS_HINT = 32
 
@@ -49,11 +51,18 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, quantizable: bool = False) -> Linear:
     """The fastest linear for ``weight`` [out_features, in_features] on its device and dtype.
 
-    Packing is tried once; a weight oneDNN refuses (wrong device, dtype or CPU) stays plain.
+    ``quantizable`` (the decoder layers' projections and experts): weight-only quantized when a
+    ``quant.quantization`` scheme other than "none" is in force and the weight can take it
+    (``quant.quantized_linear``). Packing is tried once; a weight oneDNN refuses (wrong device,
+    dtype or CPU) stays plain.
     """
+    if quantizable and (scheme := current_scheme()) != "none":
+        quantized = quantized_linear(weight, bias, scheme)
+        if quantized is not None:
+            return quantized
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:
             return PackedLinear(weight.contiguous(), bias)

@@ -1,0 +1,177 @@
+"""Weight-only quantization of the decoder's linears (``--quantization int8|int4``).
+
+Weights are quantized once, at load time, from the model-dtype weight; activations, the KV cache,
+embeddings, norms, the MoE router and ``lm_head`` stay in the model dtype. Each linear runs torch's
+own weight-only kernels, which dequantize a tile of the weight inside the GEMM:
+
+* ``int8``: symmetric, one scale per output channel: ``w[n, k] ~= q[n, k] * scale[n]`` with
+  ``q`` in [-127, 127], ``scale[n] = max_k |w[n, k]| / 127``. Kernel ``aten._weight_int8pack_mm``
+  (CPU and CUDA), which takes the int8 weight [N, K] and the scales [N] as they are.
+* ``int4``: asymmetric, group-wise over ``INT4_GROUP_SIZE`` consecutive inputs, the "tinygemm"
+  convention of gpt-fast and torchao: ``w[n, k] ~= (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with
+  ``q`` in [0, 15], ``g = k // INT4_GROUP_SIZE``, the group's range split in 15 steps
+  (``zero`` is the group's midpoint value). CPU: ``aten._convert_weight_to_int4pack_for_cpu`` +
+  ``aten._weight_int4pack_mm_for_cpu``; CUDA: ``aten._convert_weight_to_int4pack`` +
+  ``aten._weight_int4pack_mm`` (bfloat16 activations only).
+
+``INT4_GROUP_SIZE`` is 32: SmolLM2's hidden size 576 is not a multiple of 128 (nor of 64 x 2 for
+its heads' fused rows in every model), 32 is the block of GGUF's Q4_0 / Q4_1 / Q4_K formats (so
+their weights requantize without loss, docs/models.md), and group sizes 32, 64 and 128 measured
+within a few percent of each other in these kernels (docs/measurements.md). A linear whose
+``in_features`` is not a multiple of the group size (or, for int8 and int4, whose dtype the kernel
+lacks) stays in the model dtype, with a log line.
+
+Which scheme ``make_linear`` applies is set for the duration of a model's build by
+``quantization(scheme)`` (the model runner wraps the family's ``build`` in it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from pdserve.engine.config import QUANTIZATIONS
+
+log = logging.getLogger(__name__)
+INT4_GROUP_SIZE = 32
+INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
+
+_scheme: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_quantization", default="none")
+
+
+@contextlib.contextmanager
+def quantization(scheme: str) -> Iterator[None]:
+    """Within the block, ``make_linear(..., quantizable=True)`` quantizes with ``scheme``.
+
+    Raises ValueError for a scheme not in ``QUANTIZATIONS``.
+    """
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
+    token = _scheme.set(scheme)
+    try:
+        yield
+    finally:
+        _scheme.reset(token)
+
+
+def current_scheme() -> str:
+    """The scheme ``quantization`` set, "none" outside it."""
+    return _scheme.get()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: weight [N, K] -> (q int8 [N, K], scales float32 [N])."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric int4: weight [N, K] -> (q int32 in [0, 15] [N, K], scales_and_zeros
+    ``dtype`` [K // group_size, N, 2]), with ``w ~= (q - 8) * scale + zero``.
+
+    Scale and zero are rounded to ``dtype`` (the kernel reads them in the activation dtype) before
+    ``q`` is chosen against them. Raises ValueError when K is not a multiple of ``group_size``.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    w = weight.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
+    scales = ((hi - lo) / 15.0).clamp(min=1e-8).to(dtype)
+    zeros = (lo + 8.0 * scales.float()).to(dtype)
+    q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None] + 8.0).clamp(0, 15)
+    sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+    return q.to(torch.int32).view(n, k), sz
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
+    """Inverse of ``quantize_int4``: float32 [N, K]."""
+    n, k = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, G, 2]
+    w = (q.view(n, k // group_size, group_size).float() - 8.0) * sz[..., :1] + sz[..., 1:]
+    return w.view(n, k)
+
+
+class Int8Linear:
+    """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        q, scales = quantize_int8(weight)
+        self.qweight, self.scales, self.bias = q, scales.to(weight.dtype), bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scales)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this linear computes with, float32 [out_features, in_features]."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int4Linear:
+    """y = x @ dequantize(q).T + bias for x [T, in_features] -> [T, out_features]; groups of
+    ``group_size`` inputs share a scale and a zero (``quantize_int4``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE) -> None:
+        q, self.scales_and_zeros = quantize_int4(weight, group_size, weight.dtype)
+        self.group_size, self.bias, self.out_features = group_size, bias, weight.shape[0]
+        self.cuda = weight.device.type == "cuda"
+        self.q = q  # kept for ``dequantized``; the kernels read ``packed``
+        if self.cuda:  # two 4-bit values a byte, the even column in the high nibble
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        if self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this linear computes with, float32 [out_features, in_features]."""
+        return dequantize_int4(self.q, self.scales_and_zeros, self.group_size)
+
+
+def int4_unsupported(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the int4 kernels cannot take a [out_features, in_features] weight, or None when they can:
+    CPU needs out_features % 16 == 0 and in_features % ``INT4_GROUP_SIZE`` == 0; CUDA needs
+    out_features % 8 == 0, in_features % 128 == 0 (``INT4_INNER_K_TILES`` x 16) and bfloat16."""
+    n, k = shape
+    cuda = device.type == "cuda"
+    n_mult, k_mult = (8, INT4_INNER_K_TILES * 16) if cuda else (16, INT4_GROUP_SIZE)
+    if n % n_mult or k % k_mult:
+        return f"needs out_features % {n_mult} == 0 and in_features % {k_mult} == 0"
+    if cuda and dtype != torch.bfloat16:
+        return "CUDA's int4 kernel takes bfloat16 activations only"
+    return None
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> Int8Linear | Int4Linear | None:
+    """``scheme``'s linear for ``weight`` [out_features, in_features], or None when this weight
+    cannot take it (``int4_unsupported``; the caller keeps it in the model dtype)."""
+    if scheme == "int8":
+        return Int8Linear(weight, bias)
+    why = int4_unsupported(tuple(weight.shape), weight.device, weight.dtype)
+    if why is not None:
+        log.info("int4: a %s %s linear stays %s: %s", tuple(weight.shape), weight.device.type, weight.dtype, why)
+        return None
+    return Int4Linear(weight, bias)
