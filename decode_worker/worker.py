@@ -7,9 +7,11 @@ import time
 
 import grpc
 
+from pdserve.decode_worker.layer_writer import LayerWriter
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
-from pdserve.engine.kv.codec import Frame, KvCodecError, KvDecoder, KvLimits, KvPayload, unpack_kv
+from pdserve.engine.kv.codec import Frame, KvCodecError, KvLimits, KvPayload, unpack_kv
+from pdserve.engine.kv.stream_decoder import KvStreamDecoder
 from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -72,19 +74,24 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 
     async def admit(self, payload: KvPayload) -> None:
         """Admit an unpacked KV payload for its waiting Decode stream (errors as :meth:`receive_kv`)."""
-        rid = payload.request_id
+        start = time.monotonic()
+        seq = await self._place(payload.request_id, lambda e, preempt: e.admit_kv(payload, preempt), False)
+        if seq is not None:
+            self._admitted(seq, payload.first_token_unix_ns, payload.kv.nbytes, start)
+
+    async def _place(self, rid: str, place, reserve: bool) -> Sequence | None:
+        """Run ``place(engine, preempt)`` (``admit_kv`` or ``reserve_kv``) on the engine thread until
+        blocks are free (the retries and preemption of :meth:`receive_kv`); the sequence, or None when
+        the Decode stream went away meanwhile (what was placed is let go again)."""
         fut = self._pending.get(rid)
         if fut is None or fut.done():
             raise KeyError(f"no decode stream is waiting for request {rid!r}")
-        sent_ns = payload.first_token_unix_ns
         start = time.monotonic()
         deadline = start + self.kv_timeout_s
         while True:
             preempt = time.monotonic() - start > ADMIT_PREEMPT_AFTER_S
             try:
-                seq = await asyncio.wrap_future(
-                    self.host.loop.submit(lambda e, preempt=preempt: e.admit_kv(payload, preempt))
-                )
+                seq = await asyncio.wrap_future(self.host.loop.submit(lambda e, preempt=preempt: place(e, preempt)))
                 break
             except KvCacheFullError as exc:
                 if fut.done() or time.monotonic() > deadline:
@@ -98,14 +105,21 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                     fut.set_exception(exc)
                 raise
         if fut.done():  # the stream went away while we were admitting
-            await abort_quietly(self.host.loop, rid)
-            return
-        self._kv_transfer[rid] = (
+            if reserve:
+                await submit_quietly(self.host.loop, lambda e: e.release_kv(seq))
+            else:
+                await abort_quietly(self.host.loop, rid)
+            return None
+        return seq
+
+    def _admitted(self, seq: Sequence, sent_ns: int, nbytes: int, start: float) -> None:
+        """``seq`` runs: note its transfer timings and let its Decode stream go on."""
+        self._kv_transfer[seq.request_id] = (
             max(0, time.time_ns() - sent_ns) if sent_ns else 0,
-            payload.kv.nbytes,
+            nbytes,
             int((time.monotonic() - start) * 1e9),
         )
-        fut.set_result(seq)
+        self._pending[seq.request_id].set_result(seq)
 
     def _timings(self, seq: Sequence, end_ns: int) -> generate_pb2.Timings:
         ns, nbytes, admission_ns = self._kv_transfer.get(seq.request_id, (0, 0, 0))
@@ -163,9 +177,11 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
         # Chunks are decoded as they arrive: a bad header is refused at once, and each chunk's bytes
-        # are checksummed and copied into the KV tensor while the next ones are still in flight.
-        decoder = KvDecoder(self.engine.fingerprint, self.limits, self.kv_buffers.take)
-        rid = None
+        # are checksummed and copied while the next ones are still in flight. A whole frame is admitted
+        # once it is in; a layer-wise stream has its blocks reserved at its head frame, each layer
+        # written into them as it lands and the sequence admitted at its end frame (LayerWriter).
+        decoder = KvStreamDecoder(self.engine.fingerprint, self.limits, self.kv_buffers.take)
+        rid, writer = None, LayerWriter(self)
         try:
             async for chunk in request_iterator:
                 if rid is None:
@@ -174,10 +190,13 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                         await context.abort(
                             grpc.StatusCode.NOT_FOUND, f"no decode stream is waiting for request {rid!r}"
                         )
-                decoder.add(chunk.data)
+                for event in decoder.add(chunk.data):
+                    if not await writer.on_event(rid, event):
+                        return worker_pb2.PushKvResponse(received_bytes=decoder.received)
             payload = decoder.finish()
-            await self.admit(payload)
-            self.kv_buffers.give(payload.kv)  # written into the cache (admit_kv has returned)
+            if payload is not None:
+                await self.admit(payload)
+                self.kv_buffers.give(payload.kv)  # written into the cache (admit_kv has returned)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # every failure also ends the waiting Decode stream at once
@@ -187,6 +206,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             code = next((c for t, c in PUSH_ERROR_CODES if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
             message = exc.args[0] if isinstance(exc, KeyError) else str(exc) or repr(exc)
             await context.abort(code, f"KV cache refused: {message}")
+        finally:  # a stream that broke off (cancelled, refused, cut short) leaves no block behind
+            writer.release()
         return worker_pb2.PushKvResponse(received_bytes=decoder.received)
 
 

@@ -15,23 +15,25 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import EngineConfig, describe_scheduling
-from pdserve.engine.kv.codec import KvPayload, ModelFingerprint
+from pdserve.engine.kv.codec import ModelFingerprint
 from pdserve.engine.kv.fingerprint import layer_layout
+from pdserve.engine.kv_handoff import KvHandoff
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import config_hash, resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
-from pdserve.engine.scheduling.block_manager import NULL_BLOCK, BlockManager
-from pdserve.engine.scheduling.prefix_hash import prefix_hashes
+from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.scheduler import Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
 from pdserve.engine.step_types import KvCacheFullError, StepError, StepOutput
 from pdserve.engine.text.tokenizer import Tokenizer
 
+__all__ = ["KvCacheFullError", "LLMEngine", "StepError", "StepOutput"]  # KvCacheFullError: for the roles
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
-    """Single-process engine. Not thread-safe: drive it from one thread (see ``EngineLoop``)."""
+class LLMEngine(KvHandoff):
+    """Single-process engine. Not thread-safe: drive it from one thread (see ``EngineLoop``). The KV
+    hand-off methods (``pin_prefix``, ``admit_kv``, ``reserve_kv``, ``extract_kv`` ..) are ``KvHandoff``'s."""
 
     def __init__(
         self,
@@ -117,109 +119,6 @@ class LLMEngine:
         seq = Sequence.new(request_id, prompt_token_ids, sampling, self.eos_token_ids)
         self.scheduler.add(seq)
         return seq
-
-    def pin_prefix(self, request_id: str, token_ids: list[int]) -> int:
-        """Hold the longest cached prefix of ``token_ids`` for a KV payload yet to come, so that its
-        sender can leave those positions out (``KvPayload.kv_start``). Returns its length in tokens
-        (0 without prefix caching or a cached prefix); ``unpin`` or ``admit_kv`` releases it."""
-        self.unpin(request_id)
-        seq = Sequence.new(request_id, token_ids, SamplingParams(), self.eos_token_ids)
-        cached = self.blocks.match_prefix(seq)
-        if cached:
-            self._pinned[request_id] = seq
-        return cached
-
-    def unpin(self, request_id: str) -> None:
-        """Release a prefix held by ``pin_prefix`` (no-op when none is)."""
-        seq = self._pinned.pop(request_id, None)
-        if seq is not None:
-            self.blocks.free(seq)
-
-    def admit_kv(self, payload: KvPayload, preempt: bool = False) -> Sequence:
-        """Place a prefilled sequence (prompt KV + first token) into the running batch.
-
-        ``payload.kv``: [num_layers, 2, num_prompt_tokens - kv_start, num_kv_heads, head_dim]; with
-        ``kv_start`` > 0 the positions before it come from the prefix ``pin_prefix`` held or, on a
-        model with a sliding window on every layer, lie before the window of the first decode query
-        (``BlockManager.window_start``) and are never needed: their table entries are ``NULL_BLOCK``.
-        Raises ValueError when the request can never fit or the prefix held for it is not the
-        payload's, and KvCacheFullError when blocks are short now (the prefix stays held for a
-        retry), unless ``preempt``: then running sequences holding the most blocks are preempted
-        (recomputed here later) until it fits. Sequences waiting here to be recomputed or
-        prefilled go first: while any waits, a payload is admitted only by ``preempt``.
-        """
-        sampling = SamplingParams.from_dict(payload.sampling)
-        self.check_request(payload.token_ids, sampling)
-        rid, k = payload.request_id, payload.kv_start
-        kb = k // self.cfg.block_size
-        held = self._pinned.get(rid)
-        dropped = 0 < k <= self.blocks.window_start(len(payload.token_ids))
-        if dropped and list(payload.prefix_hashes) != prefix_hashes(payload.token_ids[:k], self.cfg.block_size):
-            raise ValueError(f"request {rid}: the prefix hashes of its KV do not match its tokens")
-        if (
-            k
-            and not dropped
-            and (
-                held is None
-                or held.token_ids[:k] != list(payload.token_ids[:k])
-                or held.block_hashes[:kb] != list(payload.prefix_hashes)
-                or len(held.block_table) < kb
-            )
-        ):
-            raise ValueError(
-                f"request {rid}: its KV starts at position {k}, but this worker holds no such prefix for it"
-            )
-        seq = Sequence.new(rid, payload.token_ids, sampling, self.eos_token_ids)
-        seq.token_ids.append(payload.first_token)
-        need = self.blocks.blocks_for(seq.num_tokens) - kb
-        if preempt:
-            self.scheduler.preempt_for(need)
-        if need > self.blocks.num_free or (self.scheduler.waiting and not preempt):
-            raise KvCacheFullError(
-                f"{self.blocks.num_free} free KV blocks and {len(self.scheduler.waiting)} "
-                f"sequences waiting for some; request {rid} needs {need}"
-            )
-        if dropped:  # positions before k are outside the window: no block for them
-            self.unpin(rid)
-            seq.block_table, seq.block_hashes = [NULL_BLOCK] * kb, list(payload.prefix_hashes)
-        elif k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
-            del self._pinned[rid]
-            seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]
-            seq.block_hashes = held.block_hashes[:kb]
-            self.blocks.free(held)
-            seq.num_cached_tokens = k
-        else:
-            self.unpin(rid)
-        self.blocks.grow(seq, seq.num_tokens)
-        self.runner.write_kv(seq, payload.kv, k)
-        self.scheduler.admit_running(seq)
-        self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)
-        self.blocks.free_outside_window(seq)
-        return seq
-
-    def extract_kv(
-        self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None, skip_tokens: int = 0
-    ) -> KvPayload:
-        """Take a just-prefilled sequence out of the engine: its KV (all positions but the last
-        token; only from ``skip_tokens`` on, rounded down to whole blocks, when the receiver holds
-        the positions before, and only from ``BlockManager.window_start`` on when every layer has a
-        sliding window) and the last token as ``first_token``. Frees its blocks. ``alloc``:
-        see ``ModelRunner.read_kv``."""
-        n, bs = seq.num_tokens - 1, self.cfg.block_size
-        start = min(max(skip_tokens, self.blocks.window_start(n)), n - 1) // bs * bs
-        kv = self.runner.read_kv(seq, n, alloc, start)
-        payload = KvPayload(
-            seq.request_id,
-            self.fingerprint,
-            seq.token_ids[:-1],
-            seq.token_ids[-1],
-            seq.sampling.to_dict(),
-            kv,
-            kv_start=start,
-            prefix_hashes=prefix_hashes(seq.token_ids[:start], bs),
-        )
-        self.scheduler.finish(seq)
-        return payload
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a waiting or running request and free its blocks; returns it, or None if unknown."""

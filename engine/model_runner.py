@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -33,8 +34,12 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     """Runs the forward pass over the paged KV cache.
 
-    ``kv_cache``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    ``kv_cache``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. ``layer_hook``:
+    None, or called as ``layer_hook(batch, i, kv_cache[i])`` after layer i of every prefill step
+    (``CausalLM.layer_hook``; the layer-wise KV hand-off).
     """
+
+    layer_hook: Callable[[Batch, int, torch.Tensor], None] | None = None
 
     def __init__(self, cfg: EngineConfig, model_dir: Path) -> None:
         self.cfg = cfg
@@ -122,6 +127,8 @@ class ModelRunner:
             cu_seqlens=cu,
             context_lens_host=ends,
         )
+        hook = self.layer_hook if batch.is_prefill else None
+        self.model.layer_hook = None if hook is None else functools.partial(hook, batch)
         hidden = self.model.forward(
             self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta, self.kv_cache
         )

@@ -1,8 +1,10 @@
-"""KvSender over gRPC: client-streams a KV frame to a decode worker's PushKv in chunks."""
+"""KvSender over gRPC: client-streams a KV frame, or a layer-wise stream of frames, to a decode
+worker's PushKv in chunks."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -75,8 +77,26 @@ class GrpcKvSender:
             for i, piece in enumerate(iter_chunks(frame, self.chunk_bytes)):
                 yield (request_id if i == 0 else "", piece)
 
+        await self._call(target, request_id, chunks())
+
+    async def send_kv_stream(self, target: str, request_id: str, frames: AsyncIterator[Frame]) -> None:
+        """Stream the frames of a layer-wise stream (``pdserve.engine.kv.layer_frames``) to ``target``
+        in one PushKv call, each frame's chunks as soon as ``frames`` yields it (a frame is never
+        joined with the next). Errors as :meth:`send_kv`; cancelling this task cancels the call,
+        and the decode worker frees what it reserved for the stream."""
+
+        async def chunks():
+            first = True
+            async for frame in frames:
+                for piece in iter_chunks(frame, self.chunk_bytes):
+                    yield (request_id if first else "", piece)
+                    first = False
+
+        await self._call(target, request_id, chunks())
+
+    async def _call(self, target: str, request_id: str, chunks) -> None:
         try:
-            await self._push_kv(target)(chunks(), timeout=self.timeout_s)
+            await self._push_kv(target)(chunks, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise KvTransferError(
                 f"KV push of {request_id!r} to {target} failed: {exc.code().name}: {exc.details()}",

@@ -11,10 +11,12 @@ import grpc
 
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
-from pdserve.engine.kv.codec import KvPayload, encode_kv
+from pdserve.engine.kv.codec import KvCodecError, KvPayload, encode_kv
+from pdserve.engine.kv.layer_frames import KvStreamHead, LayerKv, encode_end, encode_head, encode_layer
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.scheduling.sequence import FinishReason
+from pdserve.prefill_worker.layer_stream import DEFAULT_KV_STREAM, KV_STREAM_MODES, LayerStreamer
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker.host import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
 
@@ -32,24 +34,36 @@ class PrefillDone:
     prefill_ns: int
     first_token_unix_ns: int
     cached_prompt_tokens: int = 0
+    streamed: bool = False  # its KV went layer by layer; the push ends with this token
 
 
 class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     """Composes an EngineHost (engine + its thread) and a KvSender.
 
-    After each prefill step every sequence leaves the engine at once (``LLMEngine.extract_kv``), so its
-    blocks are free before the next step and this engine never runs a decode step. The KV is copied
-    into host buffers that are reused once a push succeeded (``kv_buffers``).
+    After each prefill step every sequence leaves the engine at once, so its blocks are free before
+    the next step and this engine never runs a decode step. ``kv_stream`` says how its KV goes:
+    "whole": after the step, as one frame (``LLMEngine.extract_kv``; copied into host buffers that
+    are reused once a push succeeded, ``kv_buffers``); "layer": layer by layer while the forward
+    runs (``layer_stream.LayerStreamer``, the runner's layer hook), in one PushKv call opened when
+    the request arrives.
     """
 
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, kv_sender: KvSender, host: EngineHost | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, kv_sender: KvSender, host: EngineHost | None = None, kv_stream: str = DEFAULT_KV_STREAM
+    ) -> None:
         """``host``: an EngineHost shared with other services (a switchable worker), whose outputs
-        callback hands this one the outputs of ``request_ids``; default: its own."""
+        callback hands this one the outputs of ``request_ids``; default: its own. ValueError for a
+        ``kv_stream`` not in ``KV_STREAM_MODES``."""
+        if kv_stream not in KV_STREAM_MODES:
+            raise ValueError(f"kv_stream must be one of {', '.join(KV_STREAM_MODES)}, got {kv_stream!r}")
         self.engine = engine
         self.kv_sender = kv_sender
         self.kv_buffers = HostBuffers()
+        self.streamer = LayerStreamer(engine) if kv_stream == "layer" else None
+        if self.streamer is not None:
+            engine.runner.layer_hook = self.streamer
         self.host = host or EngineHost(engine, self.on_outputs)
         self.request_ids: set[str] = set()  # Prefill calls under way
         self._kv_skip: dict[str, int] = {}  # request id -> prompt tokens its decode worker holds
@@ -60,7 +74,14 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         for out in outputs:
             seq = out.seq
             skip = self._kv_skip.pop(seq.request_id, 0)
-            payload = None if seq.is_finished else self.engine.extract_kv(seq, self.kv_buffers.take, skip)
+            streamed = False
+            if self.streamer is not None and self.streamer.streaming(seq.request_id):
+                streamed = not seq.is_finished and self.streamer.end(seq.request_id, out.token, wall)
+                payload = None
+                if not seq.is_finished:
+                    self.engine.scheduler.finish(seq)  # its KV is on its way: free its blocks
+            else:
+                payload = None if seq.is_finished else self.engine.extract_kv(seq, self.kv_buffers.take, skip)
             if payload is not None:
                 payload.first_token_unix_ns = wall
             self.host.streams.put(
@@ -73,6 +94,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
                     seq.prefill_end_ns - seq.prefill_start_ns,
                     wall,
                     seq.num_cached_tokens,
+                    streamed,
                 ),
             )
 
@@ -81,12 +103,18 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         (the KV lease) and ends with a ``kv_push_error`` message when the push failed. A caller
         that goes away does not stop a push under way."""
         rid = request.request_id
-        if request.kv_skip_tokens:
+        push = None
+        if self.streamer is not None:  # the push starts now and sends each layer as the prefill computes it
+            frames = self.streamer.open(rid, request.kv_skip_tokens)
+            push = self._start_push(self._push_stream(request.decode_address, rid, frames))
+        elif request.kv_skip_tokens:
             self._kv_skip[rid] = request.kv_skip_tokens  # read on the engine thread when the prefill ends
         self.request_ids.add(rid)
+        streamed = False
         try:
             q = await admit_prompt(self.host, request, context)
             done = await q.get()
+            streamed = isinstance(done, PrefillDone) and done.streamed
         except asyncio.CancelledError:
             await abort_quietly(self.host.loop, rid)
             raise
@@ -94,13 +122,15 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             self.request_ids.discard(rid)
             self._kv_skip.pop(rid, None)
             self.host.streams.close(rid)
+            if self.streamer is not None:
+                self.streamer.close(rid)
+            if push is not None and not streamed:  # no end frame will come: the decode worker frees its blocks
+                push.cancel()
+                push = None
         if isinstance(done, ErrorEvent):
             await context.abort(grpc.StatusCode.INTERNAL, done.message)
-        push = None
         if done.payload is not None:
-            push = asyncio.create_task(self._push(request.decode_address, done.payload))
-            self._pushes.add(push)
-            push.add_done_callback(self._pushes.discard)
+            push = self._start_push(self._push(request.decode_address, done.payload))
         finish = FINISH_TO_PROTO[done.finish] if done.finish else generate_pb2.FINISH_REASON_UNSPECIFIED
         yield worker_pb2.PrefillResponse(
             first_token=done.token,
@@ -114,6 +144,46 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             failure = await asyncio.shield(push)
             if failure is not None:
                 yield worker_pb2.PrefillResponse(kv_push_error=failure)
+
+    def _start_push(self, coro) -> asyncio.Task:
+        push = asyncio.create_task(coro)
+        self._pushes.add(push)
+        push.add_done_callback(self._pushes.discard)
+        return push
+
+    async def _push_stream(self, target: str, request_id: str, items: asyncio.Queue) -> worker_pb2.KvPushError | None:
+        """Send the layer-wise stream whose items ``items`` receives (``LayerStreamer``) to the decode
+        worker at ``target``, each frame as soon as its item arrives; returns as :meth:`_push`."""
+        digest, unencodable = self.engine.fingerprint.digest(), []
+
+        async def frames():
+            while True:
+                item = await items.get()
+                try:
+                    if isinstance(item, KvStreamHead):
+                        yield encode_head(item)
+                    elif isinstance(item, LayerKv):
+                        yield encode_layer(request_id, digest, item.layer, item.start, item.kv)
+                    else:
+                        yield encode_end(request_id, digest, item.first_token, item.first_token_unix_ns)
+                        return
+                except KvCodecError as exc:  # the stream stops short: the decode worker refuses it
+                    unencodable.append(exc)
+                    return
+
+        try:
+            await self.kv_sender.send_kv_stream(target, request_id, frames())
+        except KvTransferError as exc:
+            if not unencodable:
+                log.warning("%s", exc)
+                return worker_pb2.KvPushError(code=exc.code, message=exc.reason)
+        finally:
+            self.streamer.close(request_id)
+        if unencodable:
+            exc = unencodable[0]
+            log.error("the KV of request %r could not be serialized: %s", request_id, exc)
+            return worker_pb2.KvPushError(code="INTERNAL", message=f"the KV could not be serialized: {exc!r}")
+        return None
 
     async def _push(self, target: str, payload: KvPayload) -> worker_pb2.KvPushError | None:
         """Serialize off the event loop, then stream to the decode worker at ``target``.
@@ -140,8 +210,11 @@ def prefill_service(worker: PrefillWorker) -> tuple:
     return (worker_pb2_grpc.add_PrefillServiceServicer_to_server, worker, "pdserve.v1.PrefillService")
 
 
-async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
-    """Build the engine (off the event loop) and serve PrefillService + WorkerService.
+async def serve(
+    cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20, kv_stream: str = DEFAULT_KV_STREAM
+):
+    """Build the engine (off the event loop) and serve PrefillService + WorkerService; ``kv_stream``
+    as ``PrefillWorker`` takes it.
 
     Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
@@ -149,5 +222,5 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int
     from pdserve.worker.host import serve_worker
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "prefill"))
-    worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
+    worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes), kv_stream=kv_stream)
     return await serve_worker(worker, [prefill_service(worker)], host, port)

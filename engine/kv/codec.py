@@ -34,6 +34,7 @@ from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint
 from pdserve.engine.kv.frame_header import (
     DTYPES,
     FORMAT_VERSION,
+    KIND_WHOLE,
     MAGIC,
     PREFIX_BYTES,
     PREFIX_STRUCT,
@@ -106,6 +107,7 @@ def encode_kv(payload: KvPayload) -> tuple[bytes, memoryview]:
     data = memoryview(flat.numpy()).toreadonly()
     header = {
         "version": FORMAT_VERSION,
+        "kind": KIND_WHOLE,
         "request_id": payload.request_id,
         "fingerprint": fp.to_dict(),
         "dtype": fp.dtype,

@@ -25,32 +25,41 @@ __all__ = [
     "PREFIX_BYTES",
     "PREFIX_HASH_BYTES",
     "PREFIX_STRUCT",
+    "KIND_END",
+    "KIND_HEAD",
+    "KIND_LAYER",
+    "KIND_WHOLE",
     "KvLimits",
     "check_kv_prefix",
+    "check_request_header",
     "check_shape",
+    "check_types",
+    "decode_header",
     "parse_header",
 ]
 
-FORMAT_VERSION = 2  # 2: the KV may start after a prefix the receiver holds (kv_start, prefix_hashes)
+# 2: the KV may start after a prefix the receiver holds (kv_start, prefix_hashes); 3: every header
+# names its ``kind``, a whole frame ("kv") or a frame of a layer-wise stream ("head", "layer", "end")
+FORMAT_VERSION = 3
+KIND_WHOLE, KIND_HEAD, KIND_LAYER, KIND_END = "kv", "head", "layer", "end"
 MAGIC = b"PDKV"
 PREFIX_STRUCT = struct.Struct("<4sI")  # magic, header length (uint32 LE)
 PREFIX_BYTES = PREFIX_STRUCT.size  # 8
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PREFIX_HASH_BYTES = 16  # engine/scheduling/prefix_hash.py
-_HEADER_TYPES: dict[str, type] = {
+_HEAD_TYPES: dict[str, type] = {  # a layer-wise stream's head frame
     "request_id": str,
     "fingerprint": dict,
     "dtype": str,
     "shape": list,
     "token_ids": list,
-    "first_token": int,
-    "first_token_unix_ns": int,
     "sampling": dict,
     "nbytes": int,
     "checksum": int,
     "kv_start": int,
     "prefix_hashes": list,
 }
+_HEADER_TYPES: dict[str, type] = {**_HEAD_TYPES, "first_token": int, "first_token_unix_ns": int}  # a whole frame
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,9 @@ def check_kv_prefix(kv_start: int, hashes: list, fp: ModelFingerprint, num_token
         raise KvCodecError(f"prefix_hashes must be {PREFIX_HASH_BYTES}-byte strings")
 
 
-def parse_header(raw: bytes | bytearray | memoryview, expected: ModelFingerprint, limits: KvLimits) -> dict:
-    """Decode and check a header (see :func:`~pdserve.engine.kv.codec.unpack_kv`); adds the parsed
-    ``fingerprint`` and ``torch_dtype``."""
+def decode_header(raw: bytes | bytearray | memoryview) -> dict:
+    """Decode a header into a map and check its ``version``: KvCodecError for bytes that are not a
+    msgpack map, and for any version but :data:`FORMAT_VERSION` (a peer of another release)."""
     hlen = len(raw)
     try:  # every msgpack element takes >= 1 byte (map entries >= 2): bound all lengths by hlen
         header = msgpack.unpackb(
@@ -104,13 +113,38 @@ def parse_header(raw: bytes | bytearray | memoryview, expected: ModelFingerprint
         raise KvCodecError(f"header is not a map (got {type(header).__name__})")
     version = header.get("version")
     if version != FORMAT_VERSION or not _is_int(version):
-        raise KvCodecError(f"unsupported format version {version!r} (expected {FORMAT_VERSION})")
-    for key, typ in _HEADER_TYPES.items():
+        raise KvCodecError(
+            f"unsupported format version {version!r} (expected {FORMAT_VERSION}): "
+            "the prefill and decode workers run different pdserve releases"
+        )
+    return header
+
+
+def check_types(header: dict, types: dict[str, type]) -> None:
+    """KvCodecError unless ``header`` has every key of ``types`` with a value of that type."""
+    for key, typ in types.items():
         if key not in header:
             raise KvCodecError(f"header missing key {key!r}")
         v = header[key]
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             raise KvCodecError(f"header key {key!r} must be {typ.__name__}, got {type(v).__name__}")
+
+
+def parse_header(
+    raw: bytes | bytearray | memoryview, expected: ModelFingerprint, limits: KvLimits, kind: str = KIND_WHOLE
+) -> dict:
+    """Decode and check a header (see :func:`~pdserve.engine.kv.codec.unpack_kv`) of a whole frame
+    (``kind`` "kv") or of a layer-wise stream's head frame ("head": no first token yet, no tensor
+    bytes, ``shape`` and the limits are those of the whole stream); adds the parsed ``fingerprint``
+    and ``torch_dtype``."""
+    return check_request_header(decode_header(raw), expected, limits, kind)
+
+
+def check_request_header(header: dict, expected: ModelFingerprint, limits: KvLimits, kind: str = KIND_WHOLE) -> dict:
+    """The checks of :func:`parse_header` on a decoded header."""
+    if header.get("kind") != kind:
+        raise KvCodecError(f"expected a frame of kind {kind!r}, got {header.get('kind')!r}")
+    check_types(header, _HEADER_TYPES if kind == KIND_WHOLE else _HEAD_TYPES)
     token_ids = header["token_ids"]
     if not all(_is_int(t) for t in token_ids):
         raise KvCodecError("header token_ids must all be ints")
@@ -128,8 +162,11 @@ def parse_header(raw: bytes | bytearray | memoryview, expected: ModelFingerprint
     check_shape(shape, fp, len(token_ids) - header["kv_start"])
     if shape[2] > limits.max_tokens:
         raise KvCodecError(f"too many tokens: {shape[2]} > limit {limits.max_tokens}")
-    nbytes = header["nbytes"]
-    want_nbytes = math.prod(shape) * dtype.itemsize
+    nbytes, want_nbytes = header["nbytes"], math.prod(shape) * dtype.itemsize
+    if kind == KIND_HEAD:  # the head carries no tensor bytes; those of the whole stream must fit the limit
+        if nbytes != 0 or header["checksum"] != 0:
+            raise KvCodecError("a head frame carries no tensor bytes: its nbytes and checksum must be 0")
+        nbytes = want_nbytes
     if nbytes != want_nbytes:
         raise KvCodecError(f"nbytes {nbytes} != {want_nbytes} implied by shape {shape} and dtype {dtype_name}")
     if nbytes > limits.max_tensor_bytes:

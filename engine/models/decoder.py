@@ -46,7 +46,14 @@ class CausalLM:
     """Weights plus the forward pass. ``layers`` are callables as ``PreNormLayer``; ``first_norm`` is
     the first layer's input norm; ``attention`` the backend of the first layer (each sliding window
     has an instance of its own, all of one kind). The weights were fused and packed by the blocks;
-    the Hugging Face tensors are not kept."""
+    the Hugging Face tensors are not kept.
+
+    ``layer_hook``: None, or called as ``layer_hook(i, layer_cache)`` on the forward's thread right
+    after layer i ran, when ``layer_cache`` ([2, num_blocks, block_size, num_kv_heads, head_dim], the
+    layer's part of the paged cache) holds this step's K and V of layer i (the prefill worker sends
+    them from there while the next layers run). Unset, it costs one test per layer."""
+
+    layer_hook: Callable[[int, torch.Tensor], None] | None = None
 
     def __init__(
         self,
@@ -84,8 +91,11 @@ class CausalLM:
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self._rope(positions, h.dtype)
         x = self.ops.add_rms_norm(h, None, self.first_norm, self.cfg.rms_norm_eps)
-        for layer, cache in zip(self.layers, kv_cache):
+        hook = self.layer_hook
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
             x = layer(h, x, cos, sin, meta, cache)
+            if hook is not None:
+                hook(i, cache)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

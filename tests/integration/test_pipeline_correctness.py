@@ -7,14 +7,23 @@ import asyncio
 import pytest
 
 from pdserve.engine.text.tokenizer import Tokenizer
+from pdserve.prefill_worker.layer_stream import DEFAULT_KV_STREAM
 from pdserve.router.client import Client, make_request
 from tests.conftest import STORIES_REFERENCES, hf_greedy, mixed_prompts
 from tests.integration._pipeline import local_pipeline
 
 PLACEMENTS = ["split", "colocated"]
+# split placement with the KV hand-off that is not the default too ("whole" frame or "layer" by layer)
+KV_STREAM_PLACEMENTS = [*PLACEMENTS, "split/" + ("layer" if DEFAULT_KV_STREAM == "whole" else "whole")]
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+def pipeline(model_dir, placement: str, **kw):
+    """``local_pipeline``; a placement ``split/<kv_stream>`` names the prefill workers' KV hand-off."""
+    placement, _, kv_stream = placement.partition("/")
+    return local_pipeline(model_dir, placement, kv_stream=kv_stream or None, **kw)
+
+
+@pytest.mark.parametrize("placement", KV_STREAM_PLACEMENTS)
 async def test_concurrent_greedy_matches_transformers(model_dir, placement):
     tok = Tokenizer.from_folder(model_dir)
     prompts = mixed_prompts()
@@ -23,7 +32,7 @@ async def test_concurrent_greedy_matches_transformers(model_dir, placement):
     assert lengths[0] <= 3 and lengths[-1] >= 150, lengths
     # plus a 1-token prompt sent as ids
     ids.append([ids[1][-1]])
-    async with local_pipeline(model_dir, placement) as pipe, Client(pipe.address) as client:
+    async with pipeline(model_dir, placement) as pipe, Client(pipe.address) as client:
         results = await asyncio.gather(
             *[client.generate(make_request("", prompt_token_ids=i, max_tokens=24, temperature=0)) for i in ids]
         )
@@ -71,9 +80,9 @@ async def test_stories_reference_continuations(stories_dir, placement):
         )
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", KV_STREAM_PLACEMENTS)
 async def test_max_tokens_exact(embedded_dir, placement):
-    async with local_pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
+    async with pipeline(embedded_dir, placement) as pipe, Client(pipe.address) as client:
         for n in (1, 2, 17):
             res = await client.generate(
                 make_request("Tell me a story.", max_tokens=n, temperature=0.8, seed=n, ignore_eos=True)

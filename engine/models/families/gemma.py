@@ -108,8 +108,11 @@ class GemmaLM(CausalLM):
         rope = {False: self._rope(positions, h.dtype)}
         rope[True] = rope[False] if self.local_inv_freq is None else self._local_rope(positions, h.dtype)
         x = gemma_rms_norm(h, self.first_norm, self.cfg.rms_norm_eps)
-        for layer, cache, sliding in zip(self.layers, kv_cache, self.sliding):
+        hook = self.layer_hook  # see CausalLM
+        for i, (layer, cache, sliding) in enumerate(zip(self.layers, kv_cache, self.sliding)):
             x = layer(h, x, *rope[sliding], meta, cache)
+            if hook is not None:
+                hook(i, cache)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def test_tensor_and_token_limits():
         (lambda h: h.update(shape=[2, 1, 10, 3, 8]), r"does not match fingerprint/token count \[2, 2, 5, 3, 8\]"),
         (lambda h: h.update(dtype="float16"), "dtype float16 does not match fingerprint dtype float32"),
         (lambda h: h.update(dtype="int8"), "unsupported dtype 'int8'"),
-        (lambda h: h.update(version=1), r"unsupported format version 1 \(expected 2\)"),
+        (lambda h: h.update(version=2), r"unsupported format version 2 \(expected 3\): the prefill and decode"),
         (lambda h: h.pop("version"), "unsupported format version None"),
         (lambda h: h.pop("checksum"), "header missing key 'checksum'"),
         (lambda h: h.update(first_token="x"), "header key 'first_token' must be int, got str"),
