@@ -15,6 +15,10 @@ from pdserve.engine.models.registry import (
 )
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
+# a prefill worker's KV hand-off: one frame after the prefill, or each layer while it runs
+# (prefill_worker/layer_stream.py)
+KV_STREAMS = ("whole", "layer")
+DEFAULT_KV_STREAM = "whole"  # measured faster on 2 CPU cores (docs/measurements.md, "Layer-wise KV hand-off")
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, of the decoder's linears (engine/models/quant.py)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -245,7 +249,9 @@ class EngineConfig:
     blocks for reuse by later requests with the same prefix.
     ``torch_threads`` (CPU only) sets ``torch.set_num_threads`` for the worker process.
     ``quantization`` ("none", "int8" or "int4") quantizes the decoder layers' linear weights
-    (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``.
+    (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``. ``kv_stream`` (a prefill
+    worker's): its KV goes to decode as one frame after the prefill ("whole") or layer by layer
+    while the prefill runs ("layer").
     """
 
     model: str
@@ -263,6 +269,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     target_itl_ms: float | None = None  # chunked prefill: size each step's prompt chunk to this step time
     quantization: str = "none"
+    kv_stream: str = DEFAULT_KV_STREAM
 
     @property
     def token_budget(self) -> int:
@@ -274,6 +281,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in ("auto", *KV_DTYPES):
             raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.kv_stream not in KV_STREAMS:
+            raise ValueError(f"kv_stream must be one of {', '.join(KV_STREAMS)}, got {self.kv_stream!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_num_seqs < 1 or self.token_budget < 1:

@@ -25,9 +25,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduling.batch import Batch
 from pdserve.engine.scheduling.prefix_hash import prefix_hashes
 
-KV_STREAM_MODES = ("whole", "layer")
-DEFAULT_KV_STREAM = "whole"
-
 
 @dataclass
 class _Stream:

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.config import for_role
+from pdserve.engine.config import KV_STREAMS, for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvCodecError, KvPayload, encode_kv
 from pdserve.engine.kv.layer_frames import KvStreamHead, LayerKv, encode_end, encode_head, encode_layer
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.scheduling.sequence import FinishReason
-from pdserve.prefill_worker.layer_stream import DEFAULT_KV_STREAM, KV_STREAM_MODES, LayerStreamer
+from pdserve.prefill_worker.layer_stream import LayerStreamer
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker.host import FINISH_TO_PROTO, EngineHost, ErrorEvent, abort_quietly, admit_prompt
 
@@ -51,13 +51,14 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     role = "prefill"
 
     def __init__(
-        self, engine: LLMEngine, kv_sender: KvSender, host: EngineHost | None = None, kv_stream: str = DEFAULT_KV_STREAM
+        self, engine: LLMEngine, kv_sender: KvSender, host: EngineHost | None = None, kv_stream: str | None = None
     ) -> None:
         """``host``: an EngineHost shared with other services (a switchable worker), whose outputs
-        callback hands this one the outputs of ``request_ids``; default: its own. ValueError for a
-        ``kv_stream`` not in ``KV_STREAM_MODES``."""
-        if kv_stream not in KV_STREAM_MODES:
-            raise ValueError(f"kv_stream must be one of {', '.join(KV_STREAM_MODES)}, got {kv_stream!r}")
+        callback hands this one the outputs of ``request_ids``; default: its own. ``kv_stream``:
+        default ``engine.cfg.kv_stream``; ValueError for one not in ``KV_STREAMS``."""
+        kv_stream = kv_stream or engine.cfg.kv_stream
+        if kv_stream not in KV_STREAMS:
+            raise ValueError(f"kv_stream must be one of {', '.join(KV_STREAMS)}, got {kv_stream!r}")
         self.engine = engine
         self.kv_sender = kv_sender
         self.kv_buffers = HostBuffers()
@@ -210,11 +211,9 @@ def prefill_service(worker: PrefillWorker) -> tuple:
     return (worker_pb2_grpc.add_PrefillServiceServicer_to_server, worker, "pdserve.v1.PrefillService")
 
 
-async def serve(
-    cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20, kv_stream: str = DEFAULT_KV_STREAM
-):
-    """Build the engine (off the event loop) and serve PrefillService + WorkerService; ``kv_stream``
-    as ``PrefillWorker`` takes it.
+async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
+    """Build the engine (off the event loop) and serve PrefillService + WorkerService; the KV
+    hand-off is ``cfg.kv_stream``'s.
 
     Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
@@ -222,5 +221,5 @@ async def serve(
     from pdserve.worker.host import serve_worker
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "prefill"))
-    worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes), kv_stream=kv_stream)
+    worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
     return await serve_worker(worker, [prefill_service(worker)], host, port)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import KV_DTYPES, QUANTIZATIONS, EngineConfig
+from pdserve.engine.config import DEFAULT_KV_STREAM, KV_DTYPES, KV_STREAMS, QUANTIZATIONS, EngineConfig
 
 
 def positive_int(text: str) -> int:
@@ -144,6 +144,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "CPU with bfloat16 activations (docs/models.md#quantization)",
     )
     parser.add_argument(
+        "--kv-stream",
+        default=DEFAULT_KV_STREAM,
+        choices=KV_STREAMS,
+        help="how a prefill worker hands the KV to decode: whole = one frame after the prefill; "
+        "layer = each layer's KV as soon as the prefill computed it, so the transfer overlaps the "
+        "prefill (docs/architecture.md#the-kv-hand-off)",
+    )
+    parser.add_argument(
         "--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU per worker, else cpu"
     )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")
@@ -179,4 +187,5 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
         attention_backend=args.attention_backend,
         target_itl_ms=args.target_itl_ms,
         quantization=args.quantization,
+        kv_stream=args.kv_stream,
     )

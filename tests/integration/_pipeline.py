@@ -57,14 +57,12 @@ async def local_pipeline(
     routing: str = "prefix-aware",
     local_prefill_tokens: int = 0,
     num_prefill: int = 1,
-    kv_stream: str | None = None,
     **engine_kw,
 ):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
     ``http``: the router also serves the OpenAI API on a free port (``Pipeline.http_url``).
     ``num_prefill`` / ``num_decode``: workers per pool (``num_decode`` colocated workers when colocated;
-    auto: switchable workers in those first roles). ``kv_stream``: the prefill workers' KV hand-off,
-    "whole" or "layer" (default: theirs)."""
+    auto: switchable workers in those first roles)."""
     import pdserve.colocated_worker.worker as colocated
     import pdserve.decode_worker.worker as decode
     import pdserve.prefill_worker.worker as prefill
@@ -75,7 +73,7 @@ async def local_pipeline(
     cfg = EngineConfig(model=str(model), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype=dtype, **engine_kw)
     if placement in ("split", "auto"):
         p_serve, d_serve = (
-            (prefill.serve if kv_stream is None else partial(prefill.serve, kv_stream=kv_stream), decode.serve)
+            (prefill.serve, decode.serve)
             if placement == "split"
             else (partial(switchable.serve, role="prefill"), partial(switchable.serve, role="decode"))
         )

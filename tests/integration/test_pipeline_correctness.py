@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from pdserve.engine.config import DEFAULT_KV_STREAM
 from pdserve.engine.text.tokenizer import Tokenizer
-from pdserve.prefill_worker.layer_stream import DEFAULT_KV_STREAM
 from pdserve.router.client import Client, make_request
 from tests.conftest import STORIES_REFERENCES, hf_greedy, mixed_prompts
 from tests.integration._pipeline import local_pipeline
@@ -20,7 +20,7 @@ KV_STREAM_PLACEMENTS = [*PLACEMENTS, "split/" + ("layer" if DEFAULT_KV_STREAM ==
 def pipeline(model_dir, placement: str, **kw):
     """``local_pipeline``; a placement ``split/<kv_stream>`` names the prefill workers' KV hand-off."""
     placement, _, kv_stream = placement.partition("/")
-    return local_pipeline(model_dir, placement, kv_stream=kv_stream or None, **kw)
+    return local_pipeline(model_dir, placement, **({"kv_stream": kv_stream} if kv_stream else {}), **kw)
 
 
 @pytest.mark.parametrize("placement", KV_STREAM_PLACEMENTS)
