@@ -29,7 +29,8 @@ Output: a Markdown report on stdout and in ``--out`` (``report.md``), the figure
 
 The parts, beside this entry point: peers_workers.py (what runs as a subprocess, in the vLLM
 virtualenv too), peers_processes.py, peers_env.py, peers_servers.py (W2 servers and clients),
-peers_runs.py (W1 and W2, system by system), peers_metrics.py (W2 figures) and peers_report.py.
+peers_runs.py (W1 and W2, system by system), peers_metrics.py (W2 figures), peers_report.py and
+peers_llamacpp.py (``--llama-cpp``: llama.cpp's single-stream TPOT beside pdserve int8 / int4).
 Until it has parsed its arguments this file needs only the standard library, so ``--help`` runs
 under any Python 3.
 """
@@ -163,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-w1", action="store_true", help="no offline throughput")
     p.add_argument("--skip-w2", action="store_true", help="no serving runs")
     p.add_argument("--skip-hf", action="store_true", help="no transformers row in W1")
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also llama.cpp's single-stream TPOT at equal bits beside pdserve int8/int4 (a GGUF --model)",
+    )
+    p.add_argument(
+        "--llama-venv",
+        default=str(REPO / ".peers" / "llama-venv"),
+        help="llama-cpp-python virtualenv, built when absent (default .peers/llama-venv in the repo)",
+    )
     return p
 
 
@@ -217,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             run_w1(args, model_dir, out, vllm_py, w1)
         if w2 is not None:
             run_w2(args, model_dir, out, vllm_py, w2)
+        if args.llama_cpp:
+            from peers_llamacpp import run_llamacpp
+
+            info["llamacpp"] = run_llamacpp(args, out)
     except KeyboardInterrupt:
         print("interrupted: stopping every process and writing what finished", file=sys.stderr, flush=True)
         code = 130

@@ -217,7 +217,8 @@ class WorkerPool:
         if len(models) > 1:
             by = ", ".join(f"{w.role}@{w.address}: {w.fingerprint[:12]}" for w in self.workers)
             raise RuntimeError(
-                f"the workers serve different models (model fingerprints {by}); give every worker the same model folder"
+                f"the workers serve different models (model fingerprints {by}); give every worker the same model "
+                "folder, --dtype and --quantization"
             )
         self._poller = asyncio.create_task(self._poll())
 

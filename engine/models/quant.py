@@ -33,13 +33,19 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.engine.config import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 INT4_GROUP_SIZE = 32
+# Calls of at most this many rows (decode steps) run the weight-only kernels, whose cost grows with
+# every row (about as one row each); more rows dequantize the weight for the call and run the dense
+# GEMM, whose cost per row is far lower (docs/measurements.md)
+KERNEL_MAX_ROWS = 16
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
 
+_warned: list[bool] = []  # the float32 warning is logged once a process
 _scheme: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_quantization", default="none")
 
 
@@ -100,8 +106,15 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return w.view(n, k)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
 class Int8Linear:
-    """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features]."""
+    """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features].
+
+    Up to ``KERNEL_MAX_ROWS`` rows run ``_weight_int8pack_mm``; more rows (a prefill) run the
+    model dtype's GEMM over ``q`` converted for the call, the scales applied to its output."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         q, scales = quantize_int8(weight)
@@ -109,11 +122,14 @@ class Int8Linear:
         self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scales)
+        x2 = _rows(x)
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:  # |q| <= 127 is exact in bfloat16 and float16
+            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
         if self.bias is not None:
             y += self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear computes with, float32 [out_features, in_features]."""
@@ -122,33 +138,50 @@ class Int8Linear:
 
 class Int4Linear:
     """y = x @ dequantize(q).T + bias for x [T, in_features] -> [T, out_features]; groups of
-    ``group_size`` inputs share a scale and a zero (``quantize_int4``)."""
+    ``group_size`` inputs share a scale and a zero (``quantize_int4``).
+
+    Up to ``KERNEL_MAX_ROWS`` rows run the int4 kernel over its packed layout; more rows (a
+    prefill) dequantize the weight for the call from ``nibbles`` (the same values, two a byte in
+    plain order, as the kernel's layout is its own) and run the model dtype's GEMM. Memory: one
+    byte per weight (both copies) plus 2 x 2 bytes per group of 32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE) -> None:
         q, self.scales_and_zeros = quantize_int4(weight, group_size, weight.dtype)
         self.group_size, self.bias, self.out_features = group_size, bias, weight.shape[0]
         self.cuda = weight.device.type == "cuda"
-        self.q = q  # kept for ``dequantized``; the kernels read ``packed``
-        if self.cuda:  # two 4-bit values a byte, the even column in the high nibble
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+        self.nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K / 2], even column high
+        if self.cuda:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(self.nibbles, INT4_INNER_K_TILES)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        n, k = weight.shape
+        sz = self.scales_and_zeros.transpose(0, 1)  # [N, G, 2]
+        self._scale = sz[..., :1].contiguous()  # [N, G, 1]
+        self._offset = (sz[..., 1:].float() - 8.0 * sz[..., :1].float()).to(weight.dtype).contiguous()  # zero - 8 scale
+
+    def _weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [N, K] in ``dtype`` (``(q - 8) * scale + zero``, rounded once)."""
+        n = self.nibbles.shape[0]
+        q = torch.stack((self.nibbles >> 4, self.nibbles & 15), dim=-1).view(n, -1, self.group_size)
+        return torch.addcmul(self._offset, q.to(dtype), self._scale).view(n, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        if self.cuda:
+        x2 = _rows(x)
+        if x2.shape[0] > KERNEL_MAX_ROWS:
+            y = F.linear(x2, self._weight(x2.dtype))
+        elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y += self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear computes with, float32 [out_features, in_features]."""
-        return dequantize_int4(self.q, self.scales_and_zeros, self.group_size)
+        n = self.nibbles.shape[0]
+        q = torch.stack((self.nibbles >> 4, self.nibbles & 15), dim=-1).view(n, -1).to(torch.int32)
+        return dequantize_int4(q, self.scales_and_zeros, self.group_size)
 
 
 def int4_unsupported(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str | None:
@@ -168,6 +201,14 @@ def int4_unsupported(shape: tuple[int, int], device: torch.device, dtype: torch.
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> Int8Linear | Int4Linear | None:
     """``scheme``'s linear for ``weight`` [out_features, in_features], or None when this weight
     cannot take it (``int4_unsupported``; the caller keeps it in the model dtype)."""
+    if weight.device.type == "cpu" and weight.dtype != torch.bfloat16 and not _warned:
+        _warned.append(True)
+        log.warning(
+            "--quantization %s with %s activations: torch's CPU weight-only kernels are fast with bfloat16 "
+            "only (float32 measured slower than the unquantized float32 GEMM, docs/models.md#quantization)",
+            scheme,
+            weight.dtype,
+        )
     if scheme == "int8":
         return Int8Linear(weight, bias)
     why = int4_unsupported(tuple(weight.shape), weight.device, weight.dtype)
