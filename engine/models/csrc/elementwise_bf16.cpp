@@ -8,6 +8,9 @@
 #include <cstring>
 
 #include "vec_math.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -29,6 +32,44 @@ inline uint16_t to_bf(float x) {  // round to nearest even, NaN kept
 inline float round_bf(float x) { return bf(to_bf(x)); }
 
 constexpr int64_t kParallelElements = 1 << 15;  // below this one thread beats waking the others
+
+#if defined(__AVX512F__)
+// 16 bfloat16 <-> float32 lanes; `mask` selects the lanes a row's tail has.
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+inline __m512i round_to_bf16_bits(__m512 x) {  // to_bf's rounding in 32-bit lanes (bits in the low half)
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16_bits(x), 16)); }
+inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(round_to_bf16_bits(x)));
+}
+// exp_approx on 16 lanes, the same steps. Written with intrinsics because GCC, vectorizing the
+// scalar form inside silu, splits the clamp into cases and divides by the clamped denominator in
+// every lane: a denormal quotient per lane, and a microcode assist each (5.7 ns per element).
+inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
 
 }  // namespace
 
@@ -68,11 +109,20 @@ void pdserve_silu_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows,
     const uint16_t* g = gate_up + t * 2 * inter;
     const uint16_t* u = g + inter;
     uint16_t* o = out + t * inter;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < inter; i += 16) {
+      const __mmask16 m = inter - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - i)) - 1);
+      const __m512 x = load_bf16(g + i, m);
+      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      store_bf16(o + i, _mm512_mul_ps(round_bf16(silu), load_bf16(u + i, m)), m);
+    }
+#else
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       const float x = bf(g[i]);
       o[i] = to_bf(round_bf(x / (1.f + pdserve::exp_approx(-x))) * bf(u[i]));
     }
+#endif
   }
 }
 
