@@ -11,6 +11,7 @@ from pdserve.engine.models.gemma_config import family_fields
 from pdserve.engine.models.registry import (
     SUPPORTED_ARCHITECTURES,  # noqa: F401  (its former home)
     Family,
+    architecture_of,
     family,
 )
 
@@ -96,14 +97,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json`` (see ``from_folder`` for errors; also ValueError when
-        ``architectures`` is not a list or a field the model needs is missing)."""
-        archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        if not isinstance(archs, list) or not isinstance(archs[0], str):
-            raise ValueError(f"config.json: 'architectures' must be a list of names, got {archs!r}")
+        ``architectures`` is not a list of names, when it is absent and ``model_type`` names no
+        supported family, or when a field the model needs is missing)."""
+        arch = architecture_of(raw)
+        if not isinstance(arch, str):
+            raise ValueError(f"config.json: 'architectures' must be a list of names, got {raw['architectures']!r}")
         try:
-            return cls._from_dict(raw, archs[0])
+            return cls._from_dict(raw, arch)
         except KeyError as exc:
-            raise ValueError(f"config.json lacks {exc.args[0]!r}, which a {archs[0]} model needs") from None
+            raise ValueError(f"config.json lacks {exc.args[0]!r}, which a {arch} model needs") from None
 
     @classmethod
     def _from_dict(cls, raw: dict[str, Any], arch: str) -> ModelConfig:

@@ -66,6 +66,37 @@ ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForConditionalGeneration": Family("gemma", qk_norm=True, layer_types=True, gemma=3),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# config.json's ``model_type`` -> the architecture transformers' AutoModelForCausalLM builds for it,
+# for a config.json that names no ``architectures``
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+
+
+def architecture_of(raw: dict) -> str:
+    """``architectures[0]`` of a parsed config.json, or without it the architecture of its
+    ``model_type``; ValueError when it has neither, or ``architectures`` is not a list."""
+    archs = raw.get("architectures")
+    if archs:
+        if not isinstance(archs, list):
+            raise ValueError(f"config.json: 'architectures' must be a list of names, got {archs!r}")
+        return archs[0]
+    model_type = raw.get("model_type")
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    raise ValueError(
+        f"config.json names no 'architectures' and its model_type {model_type!r} is not one of "
+        f'{", ".join(MODEL_TYPES)}; add "architectures": [one of {", ".join(SUPPORTED_ARCHITECTURES)}]'
+    )
 
 
 def family(architecture: str) -> Family:
