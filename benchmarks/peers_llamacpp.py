@@ -84,7 +84,7 @@ def run_llamacpp(args, out: Path) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    engines = {q: build(args.model, "bfloat16", q, False) for q in ("none", "int8", "int4")}
+    engines = {q: build(args.model, "bfloat16", q) for q in ("none", "int8", "int4")}
     ids = list(range(1000, 1000 + LLAMA_PROMPT))
     tpot: dict[str, list[float]] = {}
     for _ in range(LLAMA_ROUNDS):

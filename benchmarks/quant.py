@@ -70,20 +70,31 @@ def cpu() -> tuple[str, bool]:
     return name, amx
 
 
-def build(model: str, dtype: str, quantization: str, lm_head: bool):
+def build(model: str, dtype: str, quantization: str, lm_head: str = "none"):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
-        EngineConfig(model=model, dtype=dtype, quantization=quantization, num_kv_blocks=256, torch_threads=1)
+        EngineConfig(
+            model=model,
+            dtype=dtype,
+            quantization=quantization,
+            num_kv_blocks=256,
+            torch_threads=1,
+            enable_prefix_caching=False,  # position_logits writes the cache outside the scheduler
+        )
     )
     model_ = engine.runner.model
-    if lm_head and quantization != "none":  # what quantizing lm_head too would give (not a serving option)
+    if lm_head != "none":  # what quantizing lm_head too would give (not a serving option)
+        from safetensors import safe_open
+
         from pdserve.engine.models.quant import quantized_linear
 
-        weight = model_.embed if model_.cfg.tie_word_embeddings else None
-        if weight is not None:
-            model_.lm_head = quantized_linear(weight, None, quantization) or model_.lm_head
+        weight = model_.embed
+        if not model_.cfg.tie_word_embeddings:
+            with safe_open(str(engine.model_dir / "model.safetensors"), "pt") as f:
+                weight = f.get_tensor("lm_head.weight").to(model_.embed.dtype)
+        model_.lm_head = quantized_linear(weight, None, lm_head) or model_.lm_head
     first: list = []
     compute = model_.compute_logits
 
@@ -113,6 +124,28 @@ def generate(engine, first: list, ids: list[int], n: int) -> tuple[list[int], li
     return list(seq.output_token_ids), steps, first[0]
 
 
+def position_logits(engine, ids: list[int]):
+    """Logits [len(ids), vocab] (float32) of one prefill of ``ids`` straight through the model, in
+    the first KV blocks (the engine must hold no sequence)."""
+    import torch
+
+    from pdserve.engine.models.attention import AttentionMetadata
+
+    runner, n = engine.runner, len(ids)
+    blocks = list(range(-(-n // engine.cfg.block_size)))
+    pos = torch.arange(n)
+    meta = AttentionMetadata(
+        True,
+        pos.clone(),
+        torch.tensor([blocks], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        torch.tensor([0, n], dtype=torch.int32),
+        cu_seqlens=[0, n],
+    )
+    hidden = runner.model.forward(torch.tensor(ids), pos, meta, runner.kv_cache)
+    return type(runner.model).compute_logits(runner.model, hidden).float()
+
+
 def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]:
     """(share of prompts identical throughout, mean share of tokens before the first divergence)."""
     same, prefix = 0, []
@@ -121,6 +154,46 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]
         same += k == len(a)
         prefix.append(k / len(a))
     return same / len(ref), statistics.mean(prefix)
+
+
+def accuracy(args, engines: dict, tok, figures: dict, tag: str) -> None:
+    """Greedy agreement with bf16 (free-running: whole continuations; teacher-forced: the top-1 token
+    at each position of bf16's continuation) and the logit error, first step and every position."""
+    prompts = [tok.encode(text) for text in PROMPTS[: args.prompts]]
+    outs: dict[str, list[list[int]]] = {label: [] for label in engines}
+    first: dict[str, list] = {label: [] for label in engines}
+    for ids in prompts:
+        for label, (engine, record) in engines.items():
+            out, _, lg = generate(engine, record, ids, args.tokens)
+            outs[label].append(out)
+            first[label].append(lg)
+    full = {label: [] for label in engines}  # logits over bf16's continuation, [tokens, vocab] per prompt
+    for ids, ref in zip(prompts, outs["bf16"]):
+        for label, (engine, _) in engines.items():
+            full[label].append(position_logits(engine, ids + ref)[len(ids) - 1 : -1])
+    print(f"accuracy against bf16: {len(prompts)} prompts x {args.tokens} greedy tokens {tag}")
+    for label in engines:
+        if label == "bf16":
+            continue
+        same, prefix = agreement(outs["bf16"], outs[label])
+        forced = statistics.mean(
+            (a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(full[label], full["bf16"])
+        )
+        errors = [(a - b).abs() for a, b in zip(first[label], first["bf16"])]
+        mx, mean = max(e.max().item() for e in errors), statistics.mean(e.mean().item() for e in errors)
+        every = max((a - b).abs().max().item() for a, b in zip(full[label], full["bf16"]))
+        figures["schemes"][label].update(
+            identical=same,
+            prefix=prefix,
+            teacher_forced=forced,
+            logit_max_err=mx,
+            logit_mean_err=mean,
+            logit_max_err_all_positions=every,
+        )
+        print(
+            f"  {label:13s} identical {same:6.1%}  before divergence {prefix:6.1%}  teacher-forced top-1 "
+            f"{forced:6.1%}  first-step logits |err| max {mx:.3f} mean {mean:.4f}  {tag}"
+        )
 
 
 def main() -> None:
@@ -132,7 +205,8 @@ def main() -> None:
     p.add_argument("--tpot-tokens", type=int, default=64, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-fp32", action="store_true", help="leave out the fp32 engine")
-    p.add_argument("--lm-head", action="store_true", help="also int8 / int4 with lm_head quantized")
+    p.add_argument("--tpot-only", action="store_true", help="no accuracy figures")
+    p.add_argument("--lm-head", action="store_true", help="also int8 / int4 with lm_head quantized (int8 or int4)")
     p.add_argument("--throughput", action="store_true", help="also W1 (`pdserve throughput`) per scheme")
     p.add_argument("--throughput-threads", type=int, default=2, help="torch threads of the W1 runs")
     p.add_argument("--json", default=None, help="write the figures here too")
@@ -143,15 +217,13 @@ def main() -> None:
     torch.set_num_threads(1)
     name, amx = cpu()
     tag = f"[{name}, AMX {'yes' if amx else 'no'}, 1 thread]"
-    configs = [
-        ("bf16", "bfloat16", "none", False),
-        ("int8", "bfloat16", "int8", False),
-        ("int4", "bfloat16", "int4", False),
-    ]
+    configs = [("bf16", "bfloat16", "none", "none"), ("int8", "bfloat16", "int8", "none")]
+    configs.append(("int4", "bfloat16", "int4", "none"))
     if args.lm_head:
-        configs += [("int8+lm_head", "bfloat16", "int8", True), ("int4+lm_head", "bfloat16", "int4", True)]
+        configs.append(("int8+head8", "bfloat16", "int8", "int8"))
+        configs += [("int4+head8", "bfloat16", "int4", "int8"), ("int4+head4", "bfloat16", "int4", "int4")]
     if not args.no_fp32:
-        configs.append(("fp32", "float32", "none", False))
+        configs.append(("fp32", "float32", "none", "none"))
     engines = {label: build(args.model, dtype, q, head) for label, dtype, q, head in configs}
     tok = engines["bf16"][0].tokenizer
 
@@ -169,30 +241,16 @@ def main() -> None:
     print(f"batch-1 decode TPOT, {args.model}, {args.prompt_len}-token prompt, median of {args.rounds} rounds {tag}")
     for label, values in tpot.items():
         ms = statistics.median(values) * 1e3
-        figures["schemes"][label] = {"tpot_ms": ms, "speedup_vs_bf16": base * 1e3 / ms}
-        print(f"  {label:13s} TPOT {ms:7.2f} ms  {base * 1e3 / ms:5.2f}x bf16  {tag}")
+        figures["schemes"][label] = {
+            "tpot_ms": ms,
+            "speedup_vs_bf16": base * 1e3 / ms,
+            "rounds_ms": [v * 1e3 for v in values],
+        }
+        spread = f"rounds {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}"
+        print(f"  {label:13s} TPOT {ms:7.2f} ms  {base * 1e3 / ms:5.2f}x bf16  {spread}  {tag}")
 
-    # accuracy against bf16
-    prompts = [tok.encode(text) for text in PROMPTS[: args.prompts]]
-    outs: dict[str, list[list[int]]] = {label: [] for label in engines}
-    logits: dict[str, list] = {label: [] for label in engines}
-    for ids in prompts:
-        for label, (engine, first) in engines.items():
-            out, _, lg = generate(engine, first, ids, args.tokens)
-            outs[label].append(out)
-            logits[label].append(lg)
-    print(f"accuracy against bf16: {len(prompts)} prompts x {args.tokens} greedy tokens {tag}")
-    for label in engines:
-        if label == "bf16":
-            continue
-        same, prefix = agreement(outs["bf16"], outs[label])
-        errors = [(a - b).abs() for a, b in zip(logits[label], logits["bf16"])]
-        mx, mean = max(e.max().item() for e in errors), statistics.mean(e.mean().item() for e in errors)
-        figures["schemes"][label].update(identical=same, prefix=prefix, logit_max_err=mx, logit_mean_err=mean)
-        print(
-            f"  {label:13s} identical {same:6.1%}  tokens before divergence {prefix:6.1%}  "
-            f"first-step logits |err| max {mx:.3f} mean {mean:.4f}  {tag}"
-        )
+    if not args.tpot_only:
+        accuracy(args, engines, tok, figures, tag)
 
     if args.throughput:
         figures["throughput"] = {}

@@ -141,29 +141,37 @@ class Int4Linear:
     ``group_size`` inputs share a scale and a zero (``quantize_int4``).
 
     Up to ``KERNEL_MAX_ROWS`` rows run the int4 kernel over its packed layout; more rows (a
-    prefill) dequantize the weight for the call from ``nibbles`` (the same values, two a byte in
-    plain order, as the kernel's layout is its own) and run the model dtype's GEMM. Memory: one
-    byte per weight (both copies) plus 2 x 2 bytes per group of 32."""
+    prefill) dequantize the weight for the call from ``nibbles`` and run the model dtype's GEMM.
+    ``nibbles`` [N, G, group_size / 2] holds the same values two a byte, a group's first half in
+    the high nibbles and its second half in the low ones, so that each half dequantizes in one
+    strided pass (the kernel's own layout depends on the shape and is not read here). Memory: one
+    byte per weight (the two copies) plus a scale and a zero per group."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE) -> None:
         q, self.scales_and_zeros = quantize_int4(weight, group_size, weight.dtype)
         self.group_size, self.bias, self.out_features = group_size, bias, weight.shape[0]
         self.cuda = weight.device.type == "cuda"
-        self.nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K / 2], even column high
-        if self.cuda:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(self.nibbles, INT4_INNER_K_TILES)
+        n, k = weight.shape
+        groups = q.view(n, k // group_size, group_size).to(torch.uint8)
+        half = group_size // 2
+        self.nibbles = (groups[..., :half] << 4 | groups[..., half:]).contiguous()
+        if self.cuda:  # tinygemm's input: two a byte along K, the even column in the high nibble
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        n, k = weight.shape
-        sz = self.scales_and_zeros.transpose(0, 1)  # [N, G, 2]
-        self._scale = sz[..., :1].contiguous()  # [N, G, 1]
-        self._offset = (sz[..., 1:].float() - 8.0 * sz[..., :1].float()).to(weight.dtype).contiguous()  # zero - 8 scale
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, G, 2]
+        self._scale = sz[..., :1].contiguous()  # [N, G, 1] float32
+        self._offset = (sz[..., 1:] - 8.0 * sz[..., :1]).contiguous()  # zero - 8 * scale
 
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight [N, K] in ``dtype`` (``(q - 8) * scale + zero``, rounded once)."""
-        n = self.nibbles.shape[0]
-        q = torch.stack((self.nibbles >> 4, self.nibbles & 15), dim=-1).view(n, -1, self.group_size)
-        return torch.addcmul(self._offset, q.to(dtype), self._scale).view(n, -1)
+        """The dequantized weight [N, K] in ``dtype``: ``q * scale + (zero - 8 * scale)`` in float32,
+        rounded once."""
+        n, g, half = self.nibbles.shape
+        w = torch.empty(n, g, 2 * half, dtype=torch.float32, device=self.nibbles.device)
+        w[..., :half] = self.nibbles >> 4
+        w[..., half:] = self.nibbles & 15
+        return w.mul_(self._scale).add_(self._offset).view(n, -1).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x)
@@ -179,9 +187,7 @@ class Int4Linear:
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear computes with, float32 [out_features, in_features]."""
-        n = self.nibbles.shape[0]
-        q = torch.stack((self.nibbles >> 4, self.nibbles & 15), dim=-1).view(n, -1).to(torch.int32)
-        return dequantize_int4(q, self.scales_and_zeros, self.group_size)
+        return self._weight(torch.float32)
 
 
 def int4_unsupported(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str | None:
