@@ -115,8 +115,8 @@ def cmd_simulate(args) -> int:
     note = fall_back_without_datasets(args)
     if note:
         print(note, flush=True)
-    if args.prefill == 0 and args.placement != "auto":
-        raise ValueError("--prefill 0 needs --placement auto (its decode workers then prefill themselves)")
+    if args.prefill == 0 and args.placement == "split":
+        raise ValueError("--prefill 0 needs --placement auto or colocated (the decode workers then prefill themselves)")
     cfg = SimConfig(
         engine,
         args.placement,

@@ -80,7 +80,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.num_decode < 1 or self.num_prefill < (0 if self.placement == "auto" else 1):
+        if self.placement == "colocated":
+            if self.num_prefill < 0 or self.num_decode < 0 or self.num_prefill + self.num_decode < 1:
+                raise ValueError("colocated needs at least one worker (--prefill + --decode of them)")
+        elif self.num_decode < 1 or self.num_prefill < (0 if self.placement == "auto" else 1):
             raise ValueError(
                 "need at least one prefill and one decode worker (colocated uses their sum; auto may start "
                 "with no prefill worker)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 
@@ -31,3 +33,13 @@ def test_the_served_model_name_is_never_a_path(tmp_path):
     for spec in ("embedded:llama-80m", "smollm2-135m", "HuggingFaceTB/SmolLM2-135M"):  # ids, not paths
         assert name(spec) == spec
     assert name(str(folder), "served-name") == "served-name"
+
+
+def test_one_colocated_worker_is_a_cluster_and_none_is_refused():
+    """``pdserve plan --workers 1`` may advise one colocated worker: serve starts it."""
+    one = ClusterConfig(engine=EngineConfig(model="embedded"), placement="colocated", num_prefill=0, num_decode=1)
+    assert one.roles == ["colocated"]
+    with pytest.raises(ValueError, match="colocated needs at least one worker"):
+        ClusterConfig(engine=EngineConfig(model="embedded"), placement="colocated", num_prefill=0, num_decode=0)
+    with pytest.raises(ValueError, match="at least one prefill and one decode worker"):
+        ClusterConfig(engine=EngineConfig(model="embedded"), placement="split", num_prefill=0, num_decode=1)
