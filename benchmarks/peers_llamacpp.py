@@ -16,6 +16,13 @@ Q8_0 vs pdserve int8, Q4_0 / Q4_K_M / Q4_1 vs pdserve int4, with pdserve bf16 be
 sides run one thread; the TPOT is the median gap between tokens of a greedy stream of
 ``LLAMA_TOKENS`` tokens after a ``LLAMA_PROMPT``-token prompt, the median over ``LLAMA_ROUNDS`` rounds,
 the rounds of every system interleaved.
+
+A llama.cpp built with ``GGML_NATIVE`` on an AMX CPU runs int8 matmuls in ggml's AMX kernels,
+which died of SIGSEGV (in ``ggml_backend_amx_mul_mat``) on the 2-core Xeon of docs/measurements.md;
+when the worker dies of a signal, the run goes on with ``use_extra_bufts=False``, which turns off
+the AMX kernels and ggml's repacked Q4_0 / Q8_0 layouts too, and says so. A build without AMX
+(``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON ..."``, see
+docs/measurements.md) keeps the repacked layouts.
 """
 
 from __future__ import annotations
@@ -87,16 +94,25 @@ def run_llamacpp(args, out: Path) -> dict:
     engines = {q: build(args.model, "bfloat16", q) for q in ("none", "int8", "int4")}
     ids = list(range(1000, 1000 + LLAMA_PROMPT))
     tpot: dict[str, list[float]] = {}
+    extra_bufts = True
     for _ in range(LLAMA_ROUNDS):
         for kind, path in files.items():
-            res = _worker(py, {"model": str(path), "prompt": ids, "tokens": LLAMA_TOKENS})
+            job = {"model": str(path), "prompt": ids, "tokens": LLAMA_TOKENS, "extra_bufts": extra_bufts}
+            try:
+                res = _worker(py, job)
+            except WorkerCrashed:
+                if not extra_bufts:
+                    raise
+                print("llama.cpp crashed in its extra buffer types (ggml's AMX kernels); measuring without them")
+                extra_bufts = job["extra_bufts"] = False
+                res = _worker(py, job)
             tpot.setdefault(f"llama.cpp {kind}", []).append(res["tpot_s"])
         for q, (engine, first) in engines.items():
             _, steps, _ = generate(engine, first, ids, LLAMA_TOKENS + 1)
             tpot.setdefault(f"pdserve {'bf16' if q == 'none' else q}", []).append(statistics.median(steps))
     name, amx = cpu()
     tag = f"[{name}, AMX {'yes' if amx else 'no'}, 1 thread]"
-    figures = {"cpu": name, "amx": amx, "gguf": src.name, "systems": {}}
+    figures = {"cpu": name, "amx": amx, "gguf": src.name, "llama_extra_bufts": extra_bufts, "systems": {}}
     print(f"single-stream decode TPOT, {src.name}, {LLAMA_PROMPT}-token prompt {tag}")
     for system, values in tpot.items():
         ms = statistics.median(values) * 1e3
@@ -109,8 +125,14 @@ def run_llamacpp(args, out: Path) -> dict:
     return figures
 
 
+class WorkerCrashed(RuntimeError):
+    """The llama.cpp worker died of a signal (SIGSEGV, SIGILL)."""
+
+
 def _worker(py: Path, job: dict) -> dict:
     run = subprocess.run([str(py), __file__], input=json.dumps(job), capture_output=True, text=True, timeout=1800)
+    if run.returncode < 0:
+        raise WorkerCrashed(f"llama.cpp worker died of signal {-run.returncode} ({job.get('model')})")
     if run.returncode != 0:
         raise RuntimeError(f"llama.cpp worker failed ({job.get('type') or job.get('model')}): {run.stderr[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -129,6 +151,15 @@ def _work(job: dict) -> dict:
         if rc != 0:
             raise SystemExit(f"llama_model_quantize returned {rc}")
         return {"out": job["out"]}
+    if not job.get("extra_bufts", True):  # ggml's AMX and repacked layouts off (see run_llamacpp)
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = params
     llm = llama_cpp.Llama(job["model"], n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
     gaps, last = [], None
     for n, _tok in enumerate(llm.generate(job["prompt"], top_k=1, temp=0.0, reset=True)):

@@ -210,7 +210,13 @@ def main() -> None:
     p.add_argument("--throughput", action="store_true", help="also W1 (`pdserve throughput`) per scheme")
     p.add_argument("--throughput-threads", type=int, default=2, help="torch threads of the W1 runs")
     p.add_argument("--json", default=None, help="write the figures here too")
+    p.add_argument("--weight-error", nargs="+", metavar="GGUF", help="only the weight error of these models")
     args = p.parse_args()
+    if args.weight_error:
+        from quant_weights import weight_error
+
+        weight_error(args.weight_error)
+        return
 
     import torch
 

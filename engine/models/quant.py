@@ -77,21 +77,39 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def _grid_step(w: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """For groups w [N, G, g] whose values already lie on a grid of at most 16 levels (weights read
+    from GGUF's Q4_0, Q4_1 or Q4_K blocks), that grid's step; elsewhere ``span / 15`` (min-max).
+
+    The step is the smallest gap between the group's distinct values (gaps under 1e-4 of the span
+    are taken for float noise); it is kept where the span holds at most 15 of them and every value
+    lies within 1e-3 steps of a level."""
+    gaps = w.sort(dim=-1).values.diff(dim=-1)
+    gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.inf)
+    step = gaps.amin(dim=-1)  # [N, G]; inf for a constant group
+    levels = span / step
+    off = (w - lo[..., None]) / step[..., None]
+    on_grid = (levels <= 15.001) & ((off - off.round()).abs().amax(dim=-1) <= 1e-3)
+    return torch.where(on_grid, step, span / 15.0)
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-wise asymmetric int4: weight [N, K] -> (q int32 in [0, 15] [N, K], scales_and_zeros
     ``dtype`` [K // group_size, N, 2]), with ``w ~= (q - 8) * scale + zero``.
 
-    Scale and zero are rounded to ``dtype`` (the kernel reads them in the activation dtype) before
-    ``q`` is chosen against them. Raises ValueError when K is not a multiple of ``group_size``.
+    The scale is the group's range over 15 steps, or the step of the grid its values already lie
+    on (``_grid_step``: a GGUF file's Q4 blocks then requantize without loss). Scale and zero are
+    rounded to ``dtype`` (the kernel reads them in the activation dtype) before ``q`` is chosen
+    against them. Raises ValueError when K is not a multiple of ``group_size``.
     """
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
     w = weight.float().view(n, k // group_size, group_size)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
-    scales = ((hi - lo) / 15.0).clamp(min=1e-8).to(dtype)
+    scales = _grid_step(w, lo, hi - lo).clamp(min=1e-8).to(dtype)
     zeros = (lo + 8.0 * scales.float()).to(dtype)
     q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None] + 8.0).clamp(0, 15)
     sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]

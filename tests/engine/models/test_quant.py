@@ -71,6 +71,11 @@ def test_int4_error_is_at_most_half_a_step_per_group():
     grid = (levels.float() * 0.01 - 0.08).view(64, 576)
     q2, sz2 = quantize_int4(grid)
     assert torch.allclose(dequantize_int4(q2, sz2), grid, atol=1e-6)
+    # so is one that does not reach both ends (GGUF's Q4_0: d * (q - 8); Q4_K's optimised ranges)
+    d = torch.rand(64, 576 // INT4_GROUP_SIZE, 1) * 0.01 + 0.001
+    sparse = (d * (torch.randint(2, 13, levels.shape) - 8).float()).view(64, 576)
+    q3, sz3 = quantize_int4(sparse)
+    assert torch.allclose(dequantize_int4(q3, sz3), sparse, atol=1e-6)
 
 
 def test_int4_refuses_inputs_off_the_group_size():
