@@ -47,9 +47,9 @@ class LayerWriter:
             w.kv_buffers.give(event.kv)
             return True
         assert isinstance(event, KvStreamEnd)
-        seq, self.seq = self.seq, None
+        seq = self.seq
         await asyncio.wrap_future(w.host.loop.submit(lambda e: e.admit_reserved(seq, event.first_token)))
-        self.admitted = True
+        self.admitted, self.seq = True, None
         if fut.done():  # the stream went away while we were admitting
             await abort_quietly(w.host.loop, request_id)
         else:

@@ -50,10 +50,10 @@ class KvHandoff:
         seq = self.reserve_kv(payload, preempt)
         try:
             self.runner.write_kv(seq, payload.kv, payload.kv_start)
-        except Exception:
+            return self.admit_reserved(seq, payload.first_token)
+        except Exception:  # nothing runs it: its blocks go back
             self.release_kv(seq)
             raise
-        return self.admit_reserved(seq, payload.first_token)
 
     def reserve_kv(self, payload: KvPayload | KvStreamHead, preempt: bool = False) -> Sequence:
         """Blocks for a prefilled sequence whose KV is yet to be written: ``payload``'s request id,

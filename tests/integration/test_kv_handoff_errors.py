@@ -110,7 +110,8 @@ async def test_unexpected_admission_failure_ends_the_request_at_once(embedded_di
     """A bug on the decode side must fail the client's stream promptly, not after the KV timeout."""
     async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
         engine = pipe.workers[1].worker.engine
-        engine.admit_kv = lambda payload, preempt=False: (_ for _ in ()).throw(RuntimeError("disk on fire"))
+        # the last step of both hand-offs (a whole frame's admit_kv, a layer-wise stream's end frame)
+        engine.admit_reserved = lambda seq, first_token: (_ for _ in ()).throw(RuntimeError("disk on fire"))
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         res = await client.generate(make_request("hello there", max_tokens=8))

@@ -73,7 +73,13 @@ async def test_a_prefill_worker_that_dies_before_its_kv_arrives_is_noticed_at_on
             pushed.set()
             await asyncio.sleep(3600)
 
+        async def never_push_stream(target, request_id, frames):  # a layer-wise push: frames up to the last
+            async for _ in frames:
+                pass
+            await never_push(target, request_id, None)
+
         prefill_w.worker.kv_sender.send_kv = never_push
+        prefill_w.worker.kv_sender.send_kv_stream = never_push_stream
         loop = asyncio.get_running_loop()
         t = loop.time()
         task = asyncio.create_task(client.generate(make_request("Once upon a time", max_tokens=20, temperature=0)))
@@ -144,7 +150,7 @@ async def test_a_deadline_that_passes_during_the_kv_push_migrates_nothing(embedd
         async def hanging_push(target, request_id, frame):
             await asyncio.sleep(3600)
 
-        pipe.workers[0].worker.kv_sender.send_kv = hanging_push
+        pipe.workers[0].worker.kv_sender.send_kv = pipe.workers[0].worker.kv_sender.send_kv_stream = hanging_push
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await client.generate(make_request("Once upon a time", max_tokens=20), timeout=1.0)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

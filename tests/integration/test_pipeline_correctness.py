@@ -44,14 +44,16 @@ async def test_concurrent_greedy_matches_transformers(model_dir, placement):
         assert await pipe.wait_idle() == 0
 
 
-async def test_reused_kv_buffers_never_mix_requests(embedded_dir):
+@pytest.mark.parametrize("kv_stream", ["whole", "layer"])
+async def test_reused_kv_buffers_never_mix_requests(embedded_dir, kv_stream):
     """Split placement with every hand-off's host buffers reused (min_bytes=1, two cached): concurrent
-    requests still decode from exactly their own KV."""
+    requests still decode from exactly their own KV. (A layer-wise prefill worker sends each layer
+    from a tensor of its own; the decode worker receives every hand-off into reused buffers.)"""
     from pdserve.engine.kv.buffers import HostBuffers
 
     tok = Tokenizer.from_folder(embedded_dir)
     ids = [tok.encode(p) for p in mixed_prompts()]
-    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+    async with local_pipeline(embedded_dir, "split", kv_stream=kv_stream) as pipe, Client(pipe.address) as client:
         for w in pipe.workers:
             w.worker.kv_buffers = HostBuffers(min_bytes=1, max_buffers=2)
         for _ in range(2):
@@ -60,7 +62,7 @@ async def test_reused_kv_buffers_never_mix_requests(embedded_dir):
             )
             for prompt_ids, res in zip(ids, results):
                 assert res.token_ids == hf_greedy(embedded_dir, prompt_ids, 24), tok.decode(prompt_ids)
-        assert all(w.worker.kv_buffers.reused > 0 for w in pipe.workers)
+        assert all(w.worker.kv_buffers.reused > 0 for w in pipe.workers[kv_stream == "layer" :])
         assert await pipe.wait_idle() == 0
 
 
