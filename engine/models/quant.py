@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 INT4_GROUP_SIZE = 32
 # Calls of at most this many rows (decode steps) run the weight-only kernels, whose cost grows with
 # every row (about as one row each); more rows dequantize the weight for the call and run the dense
-# GEMM, whose cost per row is far lower (docs/measurements.md)
+# GEMM, whose cost per row is far lower: int8's kernel and its dequantized GEMM cost the same at
+# 12-16 rows on SmolLM2's shapes, one thread (docs/measurements.md)
 KERNEL_MAX_ROWS = 16
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
 
@@ -131,8 +132,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features].
 
-    Up to ``KERNEL_MAX_ROWS`` rows run ``_weight_int8pack_mm``; more rows (a prefill) run the
-    model dtype's GEMM over ``q`` converted for the call, the scales applied to its output."""
+    Up to ``KERNEL_MAX_ROWS`` rows run ``_weight_int8pack_mm``; more rows (a prefill, a large
+    decode batch) run the model dtype's GEMM over the weight dequantized for the call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         q, scales = quantize_int8(weight)
@@ -143,8 +144,8 @@ class Int8Linear:
         x2 = _rows(x)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        else:  # |q| <= 127 is exact in bfloat16 and float16
-            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
+        else:  # the weight dequantized for the call: N * K products, where scaling y would cost M * N
+            y = F.linear(x2, self.qweight.to(x2.dtype).mul_(self.scales[:, None]))
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
