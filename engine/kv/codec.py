@@ -4,8 +4,9 @@ A frame is::
 
     b"PDKV" | uint32 LE header length | msgpack header map | raw tensor bytes
 
-The header is a msgpack map with the keys ``version, request_id, fingerprint, dtype, shape,
-token_ids, first_token, first_token_unix_ns, sampling, nbytes, checksum``.  The tensor bytes are
+The header is a msgpack map with the keys ``version`` (:data:`FORMAT_VERSION`, 3), ``kind``
+("kv": a whole frame), ``request_id, fingerprint, dtype, shape, token_ids, first_token,
+first_token_unix_ns, sampling, nbytes, checksum, kv_start, prefix_hashes``.  The tensor bytes are
 the C-contiguous KV tensor reinterpreted as uint8 (so bfloat16 works without numpy support).
 ``checksum`` is the CRC-32 of the tensor bytes (``zlib.crc32``'s value, computed with ISA-L): it
 detects corruption in transit, it is not a security measure.  Nothing here uses
@@ -18,7 +19,11 @@ as they arrive.  A hand-off so copies the tensor bytes only into the transport m
 decoded tensor, and the receiver refuses a bad header before the tensor bytes travel.
 
 The header's layout constants, :class:`KvLimits` and the header checks are in
-:mod:`pdserve.engine.kv.frame_header`; this module encodes payloads and decodes whole frames.
+:mod:`pdserve.engine.kv.frame_header`; this module encodes payloads and decodes whole frames. The
+same framing carries a layer-wise stream (a "head" frame, one "layer" frame per layer and prefill
+step, an "end" frame): :mod:`pdserve.engine.kv.layer_frames` describes and encodes it,
+:mod:`pdserve.engine.kv.stream_decoder` reads either form from one ``PushKv`` call.  A receiver
+refuses a frame of another format version with a KvCodecError that says so.
 """
 
 from __future__ import annotations
