@@ -158,8 +158,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "cpu-paged", "torch"],
-        help="decode attention: auto = the paged C++ kernel on CPU, else torch (gather + SDPA)",
+        choices=["auto", "cpu-paged", "sdpa-prefill", "torch"],
+        help="auto = the paged C++ kernel on CPU, else torch (gather + SDPA); sdpa-prefill = the kernel, "
+        "with prompts computed whole through SDPA (faster prefill, not batch-invariant)",
     )
 
 

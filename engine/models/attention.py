@@ -25,6 +25,8 @@ from pdserve.engine.models.kernels import ATTENTION_SYMBOLS, KernelUnavailable, 
 
 log = logging.getLogger(__name__)
 
+BACKENDS = ("auto", "cpu-paged", "sdpa-prefill", "torch")
+
 
 @dataclass
 class AttentionMetadata:
@@ -203,6 +205,29 @@ class CpuPagedAttention:
         return out
 
 
+class SdpaPrefillAttention(CpuPagedAttention):
+    """The paged C++ kernel, except for a step whose every sequence is computed whole (no cached
+    positions, no decode row): those go to ``TorchAttention.prefill`` (SDPA's fused causal kernel,
+    3-5x faster here on 256-1,024-token prompts in bfloat16). Not batch-invariant: a position
+    computed by a prefill gets other bits than the same position computed by decode steps, so a
+    preempted or migrated bfloat16 stream may diverge from the one it replaces."""
+
+    name = "sdpa-prefill"
+
+    def __init__(
+        self, scale: float, sliding_window: int | None, dtype: torch.dtype, softcap: float | None = None
+    ) -> None:
+        super().__init__(scale, sliding_window, dtype, softcap)
+        self._whole = TorchAttention(scale, sliding_window, softcap)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta):
+        bounds = meta.cu_seqlens
+        lens = meta.context_lens_host or meta.context_lens.tolist()
+        if all(lens[s] == bounds[s + 1] - bounds[s] for s in range(len(bounds) - 1)):
+            return self._whole.prefill(q, k, v, k_cache, v_cache, meta)
+        return self.decode(q, k_cache, v_cache, meta)
+
+
 def select_backend(
     name: str,
     device: torch.device,
@@ -215,14 +240,16 @@ def select_backend(
     softcap: float | None = None,
 ) -> AttentionBackend:
     """The backend for ``name``: ``"auto"`` (the C++ paged kernel on CPU when it builds and fits
-    the model's shape, else ``"torch"``), ``"cpu-paged"`` or ``"torch"``; ``scale`` (default
+    the model's shape, else ``"torch"``), ``"cpu-paged"``, ``"sdpa-prefill"`` (the kernel, with
+    whole prompts through SDPA: ``SdpaPrefillAttention``) or ``"torch"``; ``scale`` (default
     head_dim ** -0.5) and ``softcap`` as ``AttentionBackend`` says.
 
-    Raises ValueError for an unknown name and KernelUnavailable when ``"cpu-paged"`` is asked for
-    but cannot run here. Logs the choice and, for ``"auto"``, why the kernel was not taken.
+    Raises ValueError for an unknown name and KernelUnavailable when ``"cpu-paged"`` or
+    ``"sdpa-prefill"`` is asked for but cannot run here. Logs the choice and, for ``"auto"``, why
+    the kernel was not taken.
     """
-    if name not in ("auto", "cpu-paged", "torch"):
-        raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu-paged or torch")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
     scale = head_dim**-0.5 if scale is None else scale
     if name == "torch":
         return TorchAttention(scale, sliding_window, softcap)
@@ -236,9 +263,10 @@ def select_backend(
                 f"{groups} query heads per KV head / head_dim {head_dim} exceed the kernel's "
                 f"{lib.pdserve_max_groups()} / {lib.pdserve_max_head_dim()}"
             )
-        backend = CpuPagedAttention(scale, sliding_window, dtype, softcap)
+        kind = SdpaPrefillAttention if name == "sdpa-prefill" else CpuPagedAttention
+        backend = kind(scale, sliding_window, dtype, softcap)
     except KernelUnavailable as exc:
-        if name == "cpu-paged":
+        if name != "auto":
             raise
         log.warning("attention backend: torch (%s)", exc)
         return TorchAttention(scale, sliding_window, softcap)
