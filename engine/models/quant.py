@@ -39,11 +39,11 @@ from pdserve.engine.config import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 INT4_GROUP_SIZE = 32
-# Calls of at most this many rows (decode steps) run the weight-only kernels, whose cost grows with
-# every row (about as one row each); more rows dequantize the weight for the call and run the dense
-# GEMM, whose cost per row is far lower: int8's kernel and its dequantized GEMM cost the same at
-# 12-16 rows on SmolLM2's shapes, one thread (docs/measurements.md)
-KERNEL_MAX_ROWS = 16
+# Calls of at most this many rows (decode steps) run the weight-only kernels, whose cost grows by
+# about one weight pass per row; more rows dequantize the weight for the call and run the dense
+# GEMM, whose cost per row is far lower. The kernels and the dequantized GEMM cost the same at about
+# 24 rows (int8) and 48 rows (int4) on SmolLM2's shapes, one and two threads (docs/measurements.md)
+KERNEL_MAX_ROWS = {"int8": 24, "int4": 48}
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
 
 _warned: list[bool] = []  # the float32 warning is logged once a process
@@ -132,7 +132,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features].
 
-    Up to ``KERNEL_MAX_ROWS`` rows run ``_weight_int8pack_mm``; more rows (a prefill, a large
+    Up to ``KERNEL_MAX_ROWS["int8"]`` rows run ``_weight_int8pack_mm``; more rows (a prefill, a large
     decode batch) run the model dtype's GEMM over the weight dequantized for the call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -142,7 +142,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x)
-        if x2.shape[0] <= KERNEL_MAX_ROWS:
+        if x2.shape[0] <= KERNEL_MAX_ROWS["int8"]:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:  # the weight dequantized for the call: N * K products, where scaling y would cost M * N
             y = F.linear(x2, self.qweight.to(x2.dtype).mul_(self.scales[:, None]))
@@ -159,7 +159,7 @@ class Int4Linear:
     """y = x @ dequantize(q).T + bias for x [T, in_features] -> [T, out_features]; groups of
     ``group_size`` inputs share a scale and a zero (``quantize_int4``).
 
-    Up to ``KERNEL_MAX_ROWS`` rows run the int4 kernel over its packed layout; more rows (a
+    Up to ``KERNEL_MAX_ROWS["int4"]`` rows run the int4 kernel over its packed layout; more rows (a
     prefill) dequantize the weight for the call from ``nibbles`` and run the model dtype's GEMM.
     ``nibbles`` [N, G, group_size / 2] holds the same values two a byte, a group's first half in
     the high nibbles and its second half in the low ones, so that each half dequantizes in one
@@ -194,7 +194,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x)
-        if x2.shape[0] > KERNEL_MAX_ROWS:
+        if x2.shape[0] > KERNEL_MAX_ROWS["int4"]:
             y = F.linear(x2, self._weight(x2.dtype))
         elif self.cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
