@@ -47,11 +47,14 @@ class GrpcKvSender:
     1 MiB, below gRPC's 4 MiB default message limit). One channel per decode worker is kept open.
     """
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0, stream_timeout_s: float = 300.0
+    ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
+        self.stream_timeout_s = stream_timeout_s
         self._calls: dict[str, grpc.aio.StreamUnaryMultiCallable] = {}
         self._channels: list[grpc.aio.Channel] = []
 
@@ -77,13 +80,15 @@ class GrpcKvSender:
             for i, piece in enumerate(iter_chunks(frame, self.chunk_bytes)):
                 yield (request_id if i == 0 else "", piece)
 
-        await self._call(target, request_id, chunks())
+        await self._call(target, request_id, chunks(), self.timeout_s)
 
     async def send_kv_stream(self, target: str, request_id: str, frames: AsyncIterator[Frame]) -> None:
         """Stream the frames of a layer-wise stream (``pdserve.engine.kv.layer_frames``) to ``target``
         in one PushKv call, each frame's chunks as soon as ``frames`` yields it (a frame is never
-        joined with the next). Errors as :meth:`send_kv`; cancelling this task cancels the call,
-        and the decode worker frees what it reserved for the stream."""
+        joined with the next). The call's deadline is ``stream_timeout_s`` (default 300 s, the
+        router's wait for a KV on decode), as it lasts the prefill's forward. Errors as
+        :meth:`send_kv`; cancelling this task cancels the call, and the decode worker frees what it
+        reserved for the stream."""
 
         async def chunks():
             first = True
@@ -92,11 +97,11 @@ class GrpcKvSender:
                     yield (request_id if first else "", piece)
                     first = False
 
-        await self._call(target, request_id, chunks())
+        await self._call(target, request_id, chunks(), self.stream_timeout_s)
 
-    async def _call(self, target: str, request_id: str, chunks) -> None:
+    async def _call(self, target: str, request_id: str, chunks, timeout_s: float) -> None:
         try:
-            await self._push_kv(target)(chunks, timeout=self.timeout_s)
+            await self._push_kv(target)(chunks, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise KvTransferError(
                 f"KV push of {request_id!r} to {target} failed: {exc.code().name}: {exc.details()}",

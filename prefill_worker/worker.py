@@ -45,7 +45,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     "whole": after the step, as one frame (``LLMEngine.extract_kv``; copied into host buffers that
     are reused once a push succeeded, ``kv_buffers``); "layer": layer by layer while the forward
     runs (``layer_stream.LayerStreamer``, the runner's layer hook), in one PushKv call opened when
-    the request arrives.
+    its prefill starts (``kv_sender.send_kv_stream``, which ``GrpcKvSender`` has).
     """
 
     role = "prefill"
@@ -102,7 +102,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         """The first token; then, while its KV goes to the decode worker, the stream stays open
         (the KV lease) and ends with a ``kv_push_error`` message when the push failed. A caller
-        that goes away does not stop a push under way."""
+        that goes away does not stop a push under way. A layer-wise push that failed before the
+        prefill ended is tried again as a whole frame; one cut short by the caller going away before
+        the first token, or by a first token that finished the request, is cancelled."""
         rid = request.request_id
         push = None
         if self.streamer is not None:  # the push starts now and sends each layer as the prefill computes it
@@ -156,10 +158,11 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         """Send the layer-wise stream whose items ``items`` receives (``LayerStreamer``) to the decode
         worker at ``target``, each frame as soon as its item arrives; returns as :meth:`_push`."""
         digest, unencodable = self.engine.fingerprint.digest(), []
+        first = await items.get()  # the head: the call (and its deadline) starts with the prefill, not in the queue
 
         async def frames():
+            item = first
             while True:
-                item = await items.get()
                 try:
                     if isinstance(item, KvStreamHead):
                         yield encode_head(item)
@@ -171,6 +174,7 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
                 except KvCodecError as exc:  # the stream stops short: the decode worker refuses it
                     unencodable.append(exc)
                     return
+                item = await items.get()
 
         try:
             await self.kv_sender.send_kv_stream(target, request_id, frames())

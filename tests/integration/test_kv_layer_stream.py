@@ -181,3 +181,21 @@ async def test_a_full_decode_cache_delays_a_stream_then_admits_it(embedded_dir):
             outputs[kv_stream] = [r.token_ids for r in results]
             assert await pipe.wait_idle() == 0
     assert outputs["layer"] == outputs["whole"]
+
+
+async def test_a_layer_wise_push_that_failed_during_the_prefill_is_sent_again_whole(embedded_dir):
+    from pdserve.engine.kv.transfer import KvTransferError
+
+    async with (
+        local_pipeline(embedded_dir, "split", kv_stream="layer") as pipe,
+        Client(pipe.address) as client,
+    ):
+        sender = pipe.workers[0].worker.kv_sender
+
+        async def refused(target, request_id, frames):
+            raise KvTransferError("refused", "UNAVAILABLE")
+
+        sender.send_kv_stream = refused
+        res = await client.generate(make_request("", prompt_token_ids=PROMPTS[-1], max_tokens=6, temperature=0))
+        assert not res.error and len(res.token_ids) == 6 and res.timings.kv_transfer_bytes > 0
+        assert await pipe.wait_idle() == 0
