@@ -46,6 +46,7 @@ inline __m512i round_to_bf16_bits(__m512 x) {  // to_bf's rounding in 32-bit lan
                                                 _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
 }
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
 inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16_bits(x), 16)); }
 inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(round_to_bf16_bits(x)));
@@ -83,6 +84,26 @@ void pdserve_add_rms_norm_bf16(uint16_t* out, uint16_t* residual, const uint16_t
   for (int64_t t = 0; t < rows; ++t) {
     uint16_t* r = residual + t * hidden;
     float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+      const __mmask16 m = tail_mask(hidden - i);
+      __m512 v = load_bf16(r + i, m);
+      if (delta != nullptr) {
+        v = round_bf16(_mm512_add_ps(v, load_bf16(delta + t * hidden + i, m)));
+        store_bf16(r + i, v, m);
+      }
+      sq = _mm512_fmadd_ps(v, v, sq);  // masked-off lanes load as 0
+    }
+    sum = _mm512_reduce_add_ps(sq);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    uint16_t* o = out + t * hidden;
+    for (int64_t i = 0; i < hidden; i += 16) {
+      const __mmask16 m = tail_mask(hidden - i);
+      store_bf16(o + i, _mm512_mul_ps(load_bf16(weight + i, m), round_bf16(_mm512_mul_ps(load_bf16(r + i, m), vinv))), m);
+    }
+#else
     if (delta != nullptr) {
       const uint16_t* d = delta + t * hidden;
 #pragma omp simd reduction(+ : sum)
@@ -99,6 +120,7 @@ void pdserve_add_rms_norm_bf16(uint16_t* out, uint16_t* residual, const uint16_t
     uint16_t* o = out + t * hidden;
 #pragma omp simd
     for (int64_t i = 0; i < hidden; ++i) o[i] = to_bf(bf(weight[i]) * round_bf(bf(r[i]) * inv));
+#endif
   }
 }
 
@@ -138,6 +160,19 @@ void pdserve_rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
     const uint16_t* s = sin + t * head_dim;
     for (int64_t h = 0; h < heads; ++h) {
       uint16_t* p = x + t * row_stride + h * head_dim;
+#if defined(__AVX512F__)
+      for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail_mask(half - i);
+        const __m512 a = load_bf16(p + i, m), b = load_bf16(p + i + half, m);
+        const __m512 c_lo = load_bf16(c + i, m), c_hi = load_bf16(c + i + half, m);
+        const __m512 s_lo = load_bf16(s + i, m), s_hi = load_bf16(s + i + half, m);
+        const __m512 neg_b = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32(INT32_MIN)));
+        const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c_lo)), round_bf16(_mm512_mul_ps(neg_b, s_lo)));
+        const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, c_hi)), round_bf16(_mm512_mul_ps(a, s_hi)));
+        store_bf16(p + i, lo, m);
+        store_bf16(p + i + half, hi, m);
+      }
+#else
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float a = bf(p[i]), b = bf(p[i + half]);
@@ -146,6 +181,7 @@ void pdserve_rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
         p[i] = to_bf(lo);
         p[i + half] = to_bf(hi);
       }
+#endif
     }
   }
 }
