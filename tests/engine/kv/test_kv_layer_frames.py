@@ -151,3 +151,30 @@ def test_paged_layer_reads_and_writes_match_the_slot_mapping():
         read_layer(cache, [-1, 2], 0, 8)
     with pytest.raises(ValueError, match="need 3 blocks"):
         read_layer(cache, table[:2], 0, 9)
+
+
+def test_the_layer_hook_runs_after_each_layer_of_prefill_steps_only(embedded_dir):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=32, max_num_batched_tokens=16))
+    calls = []
+
+    def hook(batch, layer, cache):
+        seq = batch.seqs[0]
+        end = seq.num_computed_tokens + batch.num_query_tokens[0]
+        assert cache.data_ptr() == engine.runner.kv_cache[layer].data_ptr()
+        calls.append((layer, end))
+
+    engine.runner.layer_hook = hook
+    seq = engine.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    num_layers = engine.model_cfg.num_layers
+    assert calls == [(i, e) for e in (16, 32, 40) for i in range(num_layers)]  # 40 positions in chunks of 16
+    assert len(seq.output_token_ids) == 3  # the decode steps called no hook
+    engine.runner.layer_hook = None  # unset: the model's loop gets none either
+    engine.add_request("s", [5, 6], SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.runner.model.layer_hook is None and len(calls) == 3 * num_layers
