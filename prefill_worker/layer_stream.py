@@ -78,6 +78,7 @@ class LayerStreamer:
             end = seq.num_computed_tokens + batch.num_query_tokens[i]
             if end <= stream.sent:  # a chunk recomputed after a preemption: sent already
                 continue
+            # on a GPU this copy waits for the layer's kernels (a synchronous device-to-host copy)
             kv = read_layer(cache, seq.block_table, stream.sent, end).cpu()
             stream.put(LayerKv(layer, stream.sent, kv))
             if last:
