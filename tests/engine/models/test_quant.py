@@ -11,6 +11,8 @@ output's largest magnitude (bfloat16's relative step is 2**-8 = 0.4%, and K prod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -205,3 +207,50 @@ def test_quantized_model_decodes_as_its_dequantized_weights_do(stories_dir, tmp_
         assert torch.allclose(q_prefill, d_prefill, atol=1e-3) and torch.allclose(q_decode, d_decode, atol=1e-3)
         change = (q_prefill - p_prefill).abs().max().item()
         assert 1e-3 < change < 0.25 * p_prefill.abs().max().item()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_moe_experts_are_quantized_and_the_router_is_not(tmp_path, scheme, monkeypatch):
+    """A tiny Mixtral (4 experts, top-2): every expert's gate|up and down linears are quantized, the
+    router keeps float32, and the model computes as a float32 checkpoint of its dequantized weights
+    does (same greedy tokens, logits to 1e-3)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.params import SamplingParams
+    from tests.engine.models._layout_cases import _spec
+    from tests.engine.models._tiny_models import build_model, engine_logits
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model_cls, config, kwargs = _spec("mixtral")
+    folder = build_model(tmp_path / "mixtral", model_cls, config, **kwargs)
+    cfg = dict(dtype="float32", num_kv_blocks=32, torch_threads=1)
+    quant = LLMEngine(EngineConfig(model=str(folder), quantization=scheme, **cfg))
+    expect = Int8Linear if scheme == "int8" else Int4Linear
+    deq = Path(shutil.copytree(folder, tmp_path / "deq"))
+    w = load_file(str(deq / "model.safetensors"))
+    mc = quant.model_cfg
+    rows = [mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim]
+    for i, layer in enumerate(quant.runner.model.layers):
+        p = f"model.layers.{i}."
+        assert isinstance(layer.attn.qkv, expect) and isinstance(layer.attn.o, expect)
+        for name, t in zip(("q", "k", "v"), layer.attn.qkv.dequantized().split(rows)):
+            w[f"{p}self_attn.{name}_proj.weight"] = t.contiguous()
+        w[f"{p}self_attn.o_proj.weight"] = layer.attn.o.dequantized()
+        assert not isinstance(layer.mlp.router, (Int8Linear, Int4Linear)) and len(layer.mlp.experts) == 4
+        for e, expert in enumerate(layer.mlp.experts):
+            assert isinstance(expert.gate_up, expect) and isinstance(expert.down, expect)
+            gate, up = expert.gate_up.dequantized().chunk(2)
+            x = f"{p}block_sparse_moe.experts.{e}."
+            w[x + "w1.weight"], w[x + "w3.weight"] = gate.contiguous(), up.contiguous()
+            w[x + "w2.weight"] = expert.down.dequantized()
+    save_file(w, str(deq / "model.safetensors"), metadata={"format": "pt"})
+    dense = LLMEngine(EngineConfig(model=str(deq), **cfg))
+    prompts = [list(range(3, 12)), list(range(3, 3 + max(KERNEL_MAX_ROWS.values()) + 8))]
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert quant.generate(prompts, sampling) == dense.generate(prompts, sampling)
+    for prompt in prompts:
+        (qp, qd), (dp, dd) = engine_logits(quant, prompt), engine_logits(dense, prompt)
+        assert torch.allclose(qp, dp, atol=1e-3) and torch.allclose(qd, dd, atol=1e-3)
