@@ -9,17 +9,20 @@ own weight-only kernels, which dequantize a tile of the weight inside the GEMM:
   (CPU and CUDA), which takes the int8 weight [N, K] and the scales [N] as they are.
 * ``int4``: asymmetric, group-wise over ``INT4_GROUP_SIZE`` consecutive inputs, the "tinygemm"
   convention of gpt-fast and torchao: ``w[n, k] ~= (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with
-  ``q`` in [0, 15], ``g = k // INT4_GROUP_SIZE``, the group's range split in 15 steps
-  (``zero`` is the group's midpoint value). CPU: ``aten._convert_weight_to_int4pack_for_cpu`` +
-  ``aten._weight_int4pack_mm_for_cpu``; CUDA: ``aten._convert_weight_to_int4pack`` +
-  ``aten._weight_int4pack_mm`` (bfloat16 activations only).
+  ``q`` in [0, 15] and ``g = k // INT4_GROUP_SIZE``; the scale splits the group's range in 15
+  steps, or is the step of a grid the group already lies on (``_grid_step``: GGUF's Q4 blocks).
+  CPU: ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``; CUDA:
+  ``aten._convert_weight_to_int4pack`` + ``aten._weight_int4pack_mm`` (bfloat16 activations only).
 
-``INT4_GROUP_SIZE`` is 32: SmolLM2's hidden size 576 is not a multiple of 128 (nor of 64 x 2 for
-its heads' fused rows in every model), 32 is the block of GGUF's Q4_0 / Q4_1 / Q4_K formats (so
-their weights requantize without loss, docs/models.md), and group sizes 32, 64 and 128 measured
-within a few percent of each other in these kernels (docs/measurements.md). A linear whose
-``in_features`` is not a multiple of the group size (or, for int8 and int4, whose dtype the kernel
-lacks) stays in the model dtype, with a log line.
+The kernels take calls of up to ``KERNEL_MAX_ROWS`` rows (decode steps); larger calls (prefill)
+dequantize the weight and run the dense GEMM. Scales and zeros are stored in the activation dtype,
+as the kernels read them.
+
+``INT4_GROUP_SIZE`` is 32: SmolLM2's hidden size 576 is not a multiple of 128, 32 is the block of
+GGUF's Q4_0 / Q4_1 / Q4_K formats (so their weights requantize without loss but for the rounding of
+scale and zero), and group sizes 32 and 64 ran within 5 % of each other in the CPU kernel
+(docs/measurements.md). A linear the int4 kernel cannot take (``int4_unsupported``) stays in the
+model dtype, with a log line.
 
 Which scheme ``make_linear`` applies is set for the duration of a model's build by
 ``quantization(scheme)`` (the model runner wraps the family's ``build`` in it).
