@@ -25,7 +25,8 @@ def weight_error(specs: list[str]) -> None:
 
     for spec in specs:
         folder = resolve_model_dir(spec)
-        sums = {key: [0.0, 0.0] for key in ("int8", "int4 fp32 scales", "int4 bf16 scales", "bf16")}
+        keys = ("int8", "int8 from bf16", "int4 fp32 scales", "int4 bf16 scales", "int4 from bf16", "bf16")
+        sums = {key: [0.0, 0.0] for key in keys}
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
             for name in f.keys():  # noqa: SIM118  (a safetensors file is not iterable)
                 if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
@@ -35,6 +36,10 @@ def weight_error(specs: list[str]) -> None:
                 approx = {"int8": q.float() * scales[:, None], "bf16": w.bfloat16().float()}
                 for label, dtype in (("int4 fp32 scales", torch.float32), ("int4 bf16 scales", torch.bfloat16)):
                     approx[label] = dequantize_int4(*quantize_int4(w, dtype=dtype))
+                # what --dtype bfloat16 quantizes: the weights rounded to bf16 first
+                approx["int4 from bf16"] = dequantize_int4(*quantize_int4(w.bfloat16(), dtype=torch.bfloat16))
+                q, scales = quantize_int8(w.bfloat16())
+                approx["int8 from bf16"] = q.float() * scales.bfloat16().float()[:, None]
                 for key, a in approx.items():
                     sums[key][0] += (a - w).pow(2).sum().item()
                     sums[key][1] += w.pow(2).sum().item()

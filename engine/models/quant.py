@@ -85,16 +85,19 @@ def _grid_step(w: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.T
     """For groups w [N, G, g] whose values already lie on a grid of at most 16 levels (weights read
     from GGUF's Q4_0, Q4_1 or Q4_K blocks), that grid's step; elsewhere ``span / 15`` (min-max).
 
-    The step is the smallest gap between the group's distinct values (gaps under 1e-4 of the span
-    are taken for float noise); it is kept where the span holds at most 15 of them and every value
-    lies within 1e-3 steps of a level."""
+    The smallest gap between the group's distinct values (gaps under 1e-4 of the span are taken
+    for float noise) gives the number of levels the span covers, and the span over that number the
+    step. It is kept where the span covers at most 15 steps and every value lies on a level, within
+    1e-3 steps plus what rounding the weights to bfloat16 moves it (up to 2**-7 of the group's
+    largest magnitude, as the value, the minimum and the span each round; twice that is allowed)."""
     gaps = w.sort(dim=-1).values.diff(dim=-1)
     gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.inf)
-    step = gaps.amin(dim=-1)  # [N, G]; inf for a constant group
-    levels = span / step
+    levels = (span / gaps.amin(dim=-1)).round().clamp(min=1)  # [N, G]; 1 for a constant group
+    step = span / levels
     off = (w - lo[..., None]) / step[..., None]
-    on_grid = (levels <= 15.001) & ((off - off.round()).abs().amax(dim=-1) <= 1e-3)
-    return torch.where(on_grid, step, span / 15.0)
+    tolerance = 1e-3 + 2.0**-6 * w.abs().amax(dim=-1) / step
+    on_grid = (levels <= 15) & ((off - off.round()).abs().amax(dim=-1) <= tolerance)
+    return torch.where(on_grid & (span > 0), step, span / 15.0)
 
 
 def quantize_int4(

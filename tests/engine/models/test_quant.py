@@ -78,6 +78,11 @@ def test_int4_error_is_at_most_half_a_step_per_group():
     sparse = (d * (torch.randint(2, 13, levels.shape) - 8).float()).view(64, 576)
     q3, sz3 = quantize_int4(sparse)
     assert torch.allclose(dequantize_int4(q3, sz3), sparse, atol=1e-6)
+    # and from those weights rounded to bfloat16 (--dtype bfloat16), to within bfloat16's rounding
+    q4, sz4 = quantize_int4(sparse.bfloat16(), dtype=torch.bfloat16)
+    err = (dequantize_int4(q4, sz4) - sparse).abs().view(d.shape[:2] + (-1,)).amax(dim=-1, keepdim=True)
+    magnitude = sparse.abs().view(d.shape[:2] + (-1,)).amax(dim=-1, keepdim=True)
+    assert (err <= 2**-6 * magnitude).all() and (err < d / 10).all()  # min-max would be off by steps
 
 
 def test_int4_refuses_inputs_off_the_group_size():
