@@ -48,3 +48,27 @@ async def test_other_quantization_is_refused_at_start_and_per_payload(embedded_d
     finally:
         await p.stop()
         await d.stop()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+async def test_a_quantized_split_pipeline_decodes_as_one_quantized_engine(stories_dir, scheme):
+    """Prefill and decode workers that both quantize (stories260K, float32 activations): each
+    request's greedy tokens, through the KV hand-off, equal one quantized engine's own."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.params import SamplingParams
+    from pdserve.router.client import Client, make_request
+    from tests.conftest import STORIES_REFERENCES
+    from tests.integration._pipeline import local_pipeline
+
+    prompts = list(STORIES_REFERENCES)
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), dtype="float32", num_kv_blocks=64, quantization=scheme))
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    want = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=24))
+    async with local_pipeline(stories_dir, "split", quantization=scheme) as pipe, Client(pipe.address) as client:
+        for w in pipe.workers:  # both roles quantized (stories' greedy tokens happen not to change)
+            assert w.worker.engine.fingerprint.quantization == scheme
+            assert type(w.worker.engine.runner.model.layers[0].attn.qkv).__name__ == f"Int{scheme[3]}Linear"
+        for prompt_ids, expected in zip(ids, want):
+            res = await client.generate(make_request("", prompt_token_ids=prompt_ids, max_tokens=24, temperature=0))
+            assert res.token_ids == expected
