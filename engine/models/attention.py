@@ -134,15 +134,23 @@ class TorchAttention:
         for s in range(len(bounds) - 1):
             a, b, n = bounds[s], bounds[s + 1], lens[s]
             if n == b - a:  # the whole sequence is in this step: its fresh K/V
-                keys, vals = k[a:b], v[a:b]
-            else:  # earlier positions are read back from the cache through the block table
-                blocks = meta.block_tables[s, : -(-n // bs)].long()
-                keys, vals = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
-            mask = self._mask(b - a, n, q.device)
-            # 4-D [1, H, n, D] views take SDPA's fused CPU kernel (3-D inputs take a ~10x slower path)
-            o = self._attend(q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], mask)
-            out[a:b] = o[0].transpose(0, 1)
+                self.attend_whole(q, k, v, out, a, b)
+                continue
+            # earlier positions are read back from the cache through the block table
+            blocks = meta.block_tables[s, : -(-n // bs)].long()
+            keys, vals = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
+            self._into(out, a, b, q, keys, vals, self._mask(b - a, n, q.device))
         return out.flatten(1)
+
+    def attend_whole(self, q, k, v, out: torch.Tensor, a: int, b: int) -> None:
+        """out[a:b] = causal attention of rows a..b-1 of q over this step's own k, v [T, heads, head_dim]
+        (a sequence computed whole in this step)."""
+        self._into(out, a, b, q, k[a:b], v[a:b], self._mask(b - a, b - a, q.device))
+
+    def _into(self, out, a, b, q, keys, vals, mask) -> None:
+        # 4-D [1, H, n, D] views take SDPA's fused CPU kernel (3-D inputs take a ~10x slower path)
+        o = self._attend(q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], mask)
+        out[a:b] = o[0].transpose(0, 1)
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -206,11 +214,10 @@ class CpuPagedAttention:
 
 
 class SdpaPrefillAttention(CpuPagedAttention):
-    """The paged C++ kernel, except for a step whose every sequence is computed whole (no cached
-    positions, no decode row): those go to ``TorchAttention.prefill`` (SDPA's fused causal kernel,
-    3-5x faster here on 256-1,024-token prompts in bfloat16). Not batch-invariant: a position
-    computed by a prefill gets other bits than the same position computed by decode steps, so a
-    preempted or migrated bfloat16 stream may diverge from the one it replaces."""
+    """The paged C++ kernel, except for the sequences a step computes whole (no cached positions):
+    those go to ``TorchAttention.attend_whole`` (SDPA's fused causal kernel, 3-5x faster here on
+    256-1,024-token bf16 prompts). Not batch-invariant: a position computed by a prefill gets other
+    bits than by decode steps, so a preempted or migrated bfloat16 stream may diverge."""
 
     name = "sdpa-prefill"
 
@@ -223,9 +230,28 @@ class SdpaPrefillAttention(CpuPagedAttention):
     def prefill(self, q, k, v, k_cache, v_cache, meta):
         bounds = meta.cu_seqlens
         lens = meta.context_lens_host or meta.context_lens.tolist()
-        if all(lens[s] == bounds[s + 1] - bounds[s] for s in range(len(bounds) - 1)):
-            return self._whole.prefill(q, k, v, k_cache, v_cache, meta)
-        return self.decode(q, k_cache, v_cache, meta)
+        rest = [s for s in range(len(bounds) - 1) if lens[s] != bounds[s + 1] - bounds[s]]
+        if len(rest) == len(bounds) - 1:
+            return self.decode(q, k_cache, v_cache, meta)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for s in range(len(bounds) - 1):
+            if lens[s] == bounds[s + 1] - bounds[s]:
+                self._whole.attend_whole(q, k, v, out, bounds[s], bounds[s + 1])
+        if rest:  # decode rows and chunks after a cached prefix: the kernel, on their rows only
+            rows = torch.cat([torch.arange(bounds[s], bounds[s + 1]) for s in rest])
+            starts = [0]
+            for s in rest:
+                starts.append(starts[-1] + bounds[s + 1] - bounds[s])
+            idx = torch.tensor(rest)
+            sub = AttentionMetadata(
+                True,
+                meta.slot_mapping,
+                meta.block_tables[idx].contiguous(),
+                meta.context_lens[idx].contiguous(),
+                torch.tensor(starts, dtype=torch.int32),
+            )
+            out.view(q.shape[0], -1)[rows] = self.decode(q[rows], k_cache, v_cache, sub)
+        return out.flatten(1)
 
 
 def select_backend(
