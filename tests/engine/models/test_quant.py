@@ -29,6 +29,7 @@ from pdserve.engine.models.quant import (
     quantize_int4,
     quantize_int8,
 )
+from tests.engine.models._layout_cases import NEEDS_TOKENIZER
 
 SHAPES = [(64, 32), (96, 576), (208, 1536)]  # [out_features, in_features]; out % 16 == 0 for int4
 ROWS = [1, 5, max(KERNEL_MAX_ROWS.values()) + 8]  # decode-sized calls run the kernels, the last a dense GEMM
@@ -214,6 +215,7 @@ def test_quantized_model_decodes_as_its_dequantized_weights_do(stories_dir, tmp_
         assert 1e-3 < change < 0.25 * p_prefill.abs().max().item()
 
 
+@NEEDS_TOKENIZER
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_moe_experts_are_quantized_and_the_router_is_not(tmp_path, scheme, monkeypatch):
     """A tiny Mixtral (4 experts, top-2): every expert's gate|up and down linears are quantized, the
