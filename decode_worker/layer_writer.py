@@ -26,6 +26,7 @@ class LayerWriter:
         self.seq = None  # the reserved sequence, until admitted or released
         self.admitted = False
         self.nbytes = 0
+        self.reserve_s = 0.0  # seconds the head's reservation waited (KV blocks short)
         self.start = 0.0
 
     async def on_event(self, request_id: str, event) -> bool:
@@ -35,8 +36,9 @@ class LayerWriter:
         if isinstance(event, KvStreamHead):
             if event.request_id != request_id:
                 raise KvCodecError(f"head frame of request {event.request_id!r} in the push of {request_id!r}")
-            self.start = time.monotonic()
+            start = time.monotonic()
             self.seq = await w._place(request_id, lambda e, preempt: e.reserve_kv(event, preempt), True)
+            self.reserve_s = time.monotonic() - start  # the wait for blocks counts as admission
             return self.seq is not None
         fut = w._pending.get(request_id)
         if fut is None or fut.done():
@@ -48,6 +50,7 @@ class LayerWriter:
             return True
         assert isinstance(event, KvStreamEnd)
         seq = self.seq
+        self.start = time.monotonic() - self.reserve_s  # admission: the reservation plus this last step
         await asyncio.wrap_future(w.host.loop.submit(lambda e: e.admit_reserved(seq, event.first_token)))
         self.admitted, self.seq = True, None
         if fut.done():  # the stream went away while we were admitting

@@ -8,6 +8,7 @@ prefix of a coming KV (``pin_prefix``) and places it with ``admit_kv`` (a whole 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -117,7 +118,9 @@ class KvHandoff:
 
     def admit_reserved(self, seq: Sequence, first_token: int) -> Sequence:
         """Run a sequence ``reserve_kv`` placed, whose KV is now in its blocks: ``first_token`` is the
-        token its prefill sampled, the next decode step's input."""
+        token its prefill sampled, the next decode step's input. Its arrival becomes now: decode
+        time counts from here, as for a sequence ``admit_kv`` placed, not from the reservation."""
+        seq.arrival_ns = time.monotonic_ns()
         seq.token_ids.append(first_token)
         self.scheduler.admit_running(seq)
         self.blocks.cache_full_blocks(seq, seq.num_computed_tokens)

@@ -199,3 +199,21 @@ async def test_a_layer_wise_push_that_failed_during_the_prefill_is_sent_again_wh
         res = await client.generate(make_request("", prompt_token_ids=PROMPTS[-1], max_tokens=6, temperature=0))
         assert not res.error and len(res.token_ids) == 6 and res.timings.kv_transfer_bytes > 0
         assert await pipe.wait_idle() == 0
+
+
+@pytest.mark.parametrize("kv_stream", ["whole", "layer"])
+async def test_the_phases_of_a_split_request_add_up_in_either_hand_off(embedded_dir, kv_stream):
+    """Decode time counts from the admission and the KV admission wait from the KV's arrival, not
+    from the start of the prefill (a layer-wise push reserves its blocks when the prefill starts)."""
+    prompt = [7 + i % 200 for i in range(480)]
+    async with (
+        local_pipeline(embedded_dir, "split", kv_stream=kv_stream) as pipe,
+        Client(pipe.address) as client,
+    ):
+        res = await client.generate(make_request("", prompt_token_ids=prompt, max_tokens=4, temperature=0))
+        assert not res.error and len(res.token_ids) == 4
+        t = res.timings
+        assert t.prefill_ns > 0 and t.decode_ns > 0 and t.kv_transfer_bytes > 0
+        assert t.queue_ns + t.prefill_ns + t.kv_transfer_ns + t.decode_ns <= t.total_ns * 1.05
+        assert t.kv_admission_ns < t.prefill_ns / 2
+        assert await pipe.wait_idle() == 0
