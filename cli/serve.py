@@ -9,6 +9,7 @@ worker starts, and the startup note about the cluster secret.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -105,7 +106,8 @@ def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
         try:
             s.bind((host, port_number))
         except OSError as exc:
-            raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick {flag}") from exc
+            hint = "--host" if exc.errno == errno.EADDRNOTAVAIL else flag  # no interface has that address
+            raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick {hint}") from exc
 
 
 def add_cluster_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
@@ -193,6 +195,8 @@ def cmd_serve(args) -> int:
 
     cfg = _cluster_config(args)
     note = secret_note()  # read before the cluster starts: what start_cluster sees
+    if args.http_port and args.http_port == args.port:
+        raise ValueError(f"--http-port {args.http_port} is also --port: the gRPC and HTTP servers need a port each")
     if args.address is None:
         check_port_free(args.host, args.port)
         if args.http_port:

@@ -121,6 +121,8 @@ def test_serve_generate_and_ctrl_c():
         (["serve", "--no-chunked-prefill", "--target-itl-ms", "50", "--port", "0"], "needs chunked prefill"),
         (["serve", "--address", "127.0.0.1:1", "--port", "0"], "cannot reach a Ray cluster at 127.0.0.1:1"),
         (["compare", "--rates", "abc"], "expected comma-separated numbers > 0, got 'abc'"),
+        (["serve", "--port", "50177", "--http-port", "50177"], "the gRPC and HTTP servers need a port each"),
+        (["serve", "--host", "203.0.113.7", "--port", "50178"], "Cannot assign requested address; pick --host"),
         (["generate", "hi", "--bogus"], "usage: pdserve generate"),  # the command's usage, not pdserve's
     ],
 )
