@@ -163,3 +163,20 @@ def test_every_step_that_computes_prompt_tokens_counts_as_prefill(embedded_dir, 
     cfg = EngineConfig(model=str(embedded_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
     r = run_throughput(cfg, num_prompts=4, input_len=24, output_len=4)
     assert len(prefill_steps) >= 4 and r.prefill_s >= 0.05 * len(prefill_steps)
+
+
+def test_a_quantized_run_names_its_quantization_and_reads_fewer_weight_bytes(embedded_dir):
+    from pdserve.cli.throughput import weight_bytes
+    from pdserve.engine.config import ModelConfig
+
+    mc = ModelConfig.from_folder(embedded_dir)
+    head = mc.hidden_size * mc.vocab_size * 2
+    bf16, int8, int4 = (weight_bytes(mc, 2, q) for q in ("none", "int8", "int4"))
+    assert (bf16 - head) == pytest.approx(2 * (int8 - head), rel=1e-6)  # the layers' weights at 1 byte, not 2
+    assert (int8 - head) == pytest.approx((int4 - head) / 0.625, rel=1e-6)
+    assert weight_bytes(mc, 4) == 2 * bf16  # float32, nothing quantized
+
+
+def test_the_report_names_a_quantization_when_there_is_one(report):
+    assert report.quantization == "none" and "quantization" not in format_result(report)
+    assert "quantization int4" in format_result(dataclasses.replace(report, quantization="int4"))
