@@ -178,5 +178,7 @@ def test_a_quantized_run_names_its_quantization_and_reads_fewer_weight_bytes(emb
 
 
 def test_the_report_names_a_quantization_when_there_is_one(report):
-    assert report.quantization == "none" and "quantization" not in format_result(report)
-    assert "quantization int4" in format_result(dataclasses.replace(report, quantization="int4"))
+    out, r, _ = report
+    assert r["quantization"] == "none" and "quantization" not in out
+    result = ThroughputResult(**r)
+    assert "quantization int4" in format_result(dataclasses.replace(result, quantization="int4"))
