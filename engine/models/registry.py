@@ -93,9 +93,11 @@ def architecture_of(raw: dict) -> str:
     model_type = raw.get("model_type")
     if model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]
+    known = ", ".join(MODEL_TYPES)
+    what = "no model_type" if model_type is None else f"a model_type, {model_type!r}, not one of {known}"
     raise ValueError(
-        f"config.json names no 'architectures' and its model_type {model_type!r} is not one of "
-        f'{", ".join(MODEL_TYPES)}; add "architectures": [one of {", ".join(SUPPORTED_ARCHITECTURES)}]'
+        f"config.json names no 'architectures' and {what}; "
+        f'add "architectures": [one of {", ".join(SUPPORTED_ARCHITECTURES)}]'
     )
 
 

@@ -14,8 +14,8 @@ from pdserve.engine.config import ModelConfig
         ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "lacks 'num_attention_heads'"),
         ({"model_type": "llama", "hidden_size": 64}, "lacks 'num_attention_heads', which a LlamaForCausalLM"),
         ({"model_type": "qwen3", "hidden_size": 64}, "which a Qwen3ForCausalLM model needs"),
-        ({"model_type": "gpt2", "n_embd": 64}, "names no 'architectures' and its model_type 'gpt2'"),
-        ({"hidden_size": 64}, "names no 'architectures' and its model_type None"),
+        ({"model_type": "gpt2", "n_embd": 64}, "names no 'architectures' and a model_type, 'gpt2', not one of"),
+        ({"hidden_size": 64}, "names no 'architectures' and no model_type; add"),
         ({"architectures": [7]}, "'architectures' must be a list of names"),
     ],
 )
