@@ -103,7 +103,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         """The first token; then, while its KV goes to the decode worker, the stream stays open
         (the KV lease) and ends with a ``kv_push_error`` message when the push failed. A caller
         that goes away does not stop a push under way. A layer-wise push that failed before the
-        prefill ended is tried again as a whole frame; one cut short by the caller going away before
+        prefill ended is tried again as a whole frame, unless the decode worker refused it
+        (``REFUSALS``: the stream then ends with that refusal); one cut short by the caller going away before
         the first token, or by a first token that finished the request, is cancelled."""
         rid = request.request_id
         push = None
@@ -127,12 +128,15 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             self.host.streams.close(rid)
             if self.streamer is not None:
                 self.streamer.close(rid)
+            refused = _refusal(push) if push is not None and not streamed else None
             if push is not None and not streamed:  # no end frame will come: the decode worker frees its blocks
                 push.cancel()
                 push = None
         if isinstance(done, ErrorEvent):
             await context.abort(grpc.StatusCode.INTERNAL, done.message)
-        if done.payload is not None:
+        if done.payload is not None and refused is not None:  # it would refuse the whole frame too
+            self.kv_buffers.give(done.payload.kv)
+        elif done.payload is not None:
             push = self._start_push(self._push(request.decode_address, done.payload))
         finish = FINISH_TO_PROTO[done.finish] if done.finish else generate_pb2.FINISH_REASON_UNSPECIFIED
         yield worker_pb2.PrefillResponse(
@@ -143,10 +147,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             first_token_unix_ns=done.first_token_unix_ns,
             cached_prompt_tokens=done.cached_prompt_tokens,
         )
-        if push is not None:
-            failure = await asyncio.shield(push)
-            if failure is not None:
-                yield worker_pb2.PrefillResponse(kv_push_error=failure)
+        failure = refused if push is None else await asyncio.shield(push)
+        if failure is not None:
+            yield worker_pb2.PrefillResponse(kv_push_error=failure)
 
     def _start_push(self, coro) -> asyncio.Task:
         push = asyncio.create_task(coro)
@@ -208,6 +211,22 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             return worker_pb2.KvPushError(code=exc.code, message=exc.reason)
         self.kv_buffers.give(payload.kv)  # the call is over: nothing reads the tensor any more
         return None
+
+
+# a decode worker that answered a KV push with these refused it (another model, a bad KV, no stream
+# waiting, its cache full too long): sending the same KV again as a whole frame cannot help
+REFUSALS = frozenset(
+    {"FAILED_PRECONDITION", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED"}
+    | {"PERMISSION_DENIED", "UNAUTHENTICATED"}
+)
+
+
+def _refusal(push: asyncio.Task) -> worker_pb2.KvPushError | None:
+    """The failure of a layer-wise push that already ended because its decode worker refused it."""
+    if not push.done() or push.cancelled():
+        return None
+    failure = push.result()
+    return failure if failure is not None and failure.code in REFUSALS else None
 
 
 def prefill_service(worker: PrefillWorker) -> tuple:

@@ -159,6 +159,30 @@ async def test_same_shapes_other_weights_are_refused_at_start_and_per_payload(em
                 )
             assert "weights_hash" in info.value.details()
             stream.cancel()
+        # through the prefill worker's own push (layer-wise by default): the refusal is what its
+        # stream reports, not a later whole-frame push to a Decode stream that has gone
+        async with grpc.aio.insecure_channel(d.address) as dch, grpc.aio.insecure_channel(p.address) as pch:
+            stream = worker_pb2_grpc.DecodeServiceStub(dch).Decode(
+                worker_pb2.DecodeRequest(request_id="w2", kv_timeout_s=10)
+            )
+            await stream.initial_metadata()
+            prefill_call = worker_pb2_grpc.PrefillServiceStub(pch).Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="w2",
+                    prompt_token_ids=list(range(5, 60)),
+                    sampling=worker_pb2.ResolvedSampling(temperature=0, top_p=1, max_tokens=4, ignore_eos=True),
+                    decode_address=d.address,
+                )
+            )
+            replies = [r async for r in prefill_call]
+            errors = [r.kv_push_error for r in replies if r.HasField("kv_push_error")]
+            assert len(errors) == 1 and errors[0].code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
+            assert "weights_hash" in errors[0].message
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stream:
+                    pass
+            assert "weights_hash" in info.value.details()
+        assert d.worker.engine.blocks.num_used == 0
     finally:
         await p.stop()
         await d.stop()
