@@ -3,7 +3,7 @@ its .proto files (docs/api.md: "Calling pdserve from your own program").
 
     python -m grpc_tools.protoc -I PROTO_ROOT --python_out=. --grpc_python_out=. \
         PROTO_ROOT/pdserve/v1/generate.proto
-    python grpc_client.py "Once upon a time" --address 127.0.0.1:50051 --max-tokens 32
+    python grpc_client.py "Once upon a time" --address 127.0.0.1:50051 --max-tokens 32 [--api-key KEY]
 
 Exit status: 0 when the stream completed, 1 on an in-band error, 2 when the router refused or
 the deadline passed, 130 on Ctrl-C (the call is cancelled, which frees the request's KV blocks).
@@ -12,6 +12,7 @@ the deadline passed, 130 on Ctrl-C (the call is cancelled, which frees the reque
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -26,7 +27,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0, help="deadline for the whole stream, s")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY; for serve --api-key)",
+    )
     args = p.parse_args()
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
 
     request = generate_pb2.GenerateRequest(
         prompt=args.prompt,
@@ -35,7 +42,7 @@ def main() -> int:
     )
     with grpc.insecure_channel(args.address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        call = stub.Generate(request, timeout=args.timeout)
+        call = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         try:
             for message in call:
                 kind = message.WhichOneof("kind")

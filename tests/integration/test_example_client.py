@@ -95,3 +95,12 @@ async def test_example_client_streams_with_only_generated_stubs(client_dir, embe
         refused = await asyncio.to_thread(run_example, client_dir, "", "--address", pipe.address)
         assert refused.returncode == 2 and "INVALID_ARGUMENT" in refused.stderr
         assert await pipe.wait_idle() == 0
+
+
+async def test_example_client_sends_an_api_key(client_dir, embedded_dir):
+    async with local_pipeline(embedded_dir, "split", api_keys=("k-123",)) as pipe:
+        args = ("hi", "--address", pipe.address, "--max-tokens", "3")
+        missing = await asyncio.to_thread(run_example, client_dir, *args)
+        assert missing.returncode == 2 and "UNAUTHENTICATED" in missing.stderr
+        ok = await asyncio.to_thread(run_example, client_dir, *args, "--api-key", "k-123")
+        assert ok.returncode == 0, ok.stderr
