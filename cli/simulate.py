@@ -141,7 +141,8 @@ def cmd_simulate(args) -> int:
     records = sim.run(specs)
     wall = time.perf_counter() - t0
     prefix_cache = prefix_cache_report([], sim.prefix_counters())
-    prefix_cache["ceiling"] = prefix_reuse_ceiling([s.prompt_token_ids for s in specs])
+    prefix_cache["ceiling"] = prefix_reuse_ceiling([s.prompt_token_ids for s in specs], engine.block_size)
+    prefix_cache["ceiling_block_size"] = engine.block_size
     summary = summarize(records, slo)
     summary.update(
         placement=args.placement,

@@ -75,7 +75,7 @@ def format_prefix_cache(report: dict | None) -> str:
     lines = [f"  {w['role']} {w['address']}: {rate(w)}" for w in report["workers"]]
     lines.append(f"  all workers: {rate(report)}")
     if report.get("ceiling") is not None:
-        lines.append(
-            f"  ceiling of these prompts (an infinite cache of 16-token blocks): {report['ceiling'] * 100:.1f}%"
-        )
+        bs = report.get("ceiling_block_size", 16)
+        ceiling = report["ceiling"] * 100
+        lines.append(f"  ceiling of these prompts (an infinite cache of {bs}-token blocks): {ceiling:.1f}%")
     return "\n".join(["prefix cache hit rate (cached / admitted prompt tokens):", *lines])

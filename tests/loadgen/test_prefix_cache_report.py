@@ -41,3 +41,11 @@ def test_prefix_cache_report_without_counters_is_na():
     assert prefix_cache_report(None, None) is None
     assert prefix_cache_report([W("colocated", "a:1", 0, 0)], None) is None
     assert format_prefix_cache(None).startswith("prefix cache hit rate: n/a")
+
+
+def test_the_ceiling_line_names_the_block_size_it_was_computed_with():
+    from pdserve.loadgen.prefix_cache import format_prefix_cache
+
+    report = {"workers": [], "query_tokens": 0, "hit_tokens": 0, "hit_rate": None, "ceiling": 0.5}
+    assert "infinite cache of 16-token blocks): 50.0%" in format_prefix_cache(report)
+    assert "infinite cache of 7-token blocks)" in format_prefix_cache({**report, "ceiling_block_size": 7})
