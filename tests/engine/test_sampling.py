@@ -247,3 +247,12 @@ def test_step_seed_is_deterministic_and_differs_across_steps_and_seeds() -> None
     assert values == {(seed, s): step_seed(seed, s) for seed, s in values}
     assert len(set(values.values())) == len(values)
     assert all(0 <= v < 2**63 for v in values.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_rows_take_the_first_maximum_in_the_logits_own_dtype(dtype):
+    """Ties (frequent in bfloat16) go to the lowest token id, exactly as float32 argmax gives them."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (16, 5000), generator=gen).to(dtype)
+    tokens = sample(logits, [SamplingParams(temperature=0.0)] * 16, [0] * 16)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
