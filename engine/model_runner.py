@@ -72,6 +72,7 @@ class ModelRunner:
                 lambda layer: backends[mc.layer_windows[layer]],
                 select_ops(self.device, self.dtype),
             )
+        self._frees_blocks = mc.kv_window is not None  # tables may hold NULL_BLOCK (block_manager.py)
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)
         self.kv_cache = torch.zeros(
@@ -102,7 +103,7 @@ class ModelRunner:
         seqs, counts = batch.seqs, batch.num_query_tokens
         width = max(len(s.block_table) for s in seqs)
         tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
-        if self.model_cfg.kv_window is not None:  # entries freed outside the window (-1) point at block 0, never read
+        if self._frees_blocks:  # entries freed outside the window (-1) point at block 0, never read
             tables.clamp_(min=0)
         starts = [s.num_computed_tokens for s in seqs]
         ends = [a + n for a, n in zip(starts, counts)]

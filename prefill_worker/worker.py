@@ -128,8 +128,9 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
             self.host.streams.close(rid)
             if self.streamer is not None:
                 self.streamer.close(rid)
-            refused = _refusal(push) if push is not None and not streamed else None
+            refused = None
             if push is not None and not streamed:  # no end frame will come: the decode worker frees its blocks
+                refused = _refusal(push)
                 push.cancel()
                 push = None
         if isinstance(done, ErrorEvent):
