@@ -47,6 +47,7 @@ from pdserve.engine.kv.frame_header import (
     check_kv_prefix,
     check_shape,
     parse_header,
+    read_prefix,
 )
 
 __all__ = [
@@ -143,6 +144,16 @@ def _as_bytes_view(data: Buffer) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+def checksum_into(dst: memoryview, offset: int, src: memoryview, crc: int) -> int:
+    """Copy ``src`` into ``dst[offset:]``, ``_SLICE`` bytes at a time, each slice checksummed just
+    before its copy (while it is in cache); returns the CRC-32 carried on from ``crc``."""
+    for i in range(0, len(src), _SLICE):
+        piece = src[i : i + _SLICE]
+        crc = crc32(piece, crc)
+        dst[offset + i : offset + i + len(piece)] = piece
+    return crc
+
+
 def frame_parts(frame: Frame) -> list[memoryview]:
     """``frame`` as a list of flat byte views (one for a single buffer), empty parts dropped."""
     parts = [frame] if isinstance(frame, (bytes, bytearray, memoryview)) else frame
@@ -188,7 +199,7 @@ class KvDecoder:
             if len(self._head) < need:
                 return
             if self._hlen is None:
-                self._hlen = self._check_prefix()
+                self._hlen = read_prefix(self._head, self._limits)
             if len(self._head) == PREFIX_BYTES + self._hlen:
                 self._start_body()
         if not len(mv):
@@ -196,19 +207,8 @@ class KvDecoder:
         nbytes = self._header["nbytes"]
         if self._got + len(mv) > nbytes:
             raise KvCodecError(f"trailing bytes: expected {nbytes} bytes of tensor data, got {self._got + len(mv)}")
-        for i in range(0, len(mv), _SLICE):
-            piece = mv[i : i + _SLICE]
-            self._crc = crc32(piece, self._crc)
-            self._dst[self._got : self._got + len(piece)] = piece
-            self._got += len(piece)
-
-    def _check_prefix(self) -> int:
-        magic, hlen = PREFIX_STRUCT.unpack(self._head)
-        if magic != MAGIC:
-            raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
-        if hlen > self._limits.max_header_bytes:
-            raise KvCodecError(f"header too large: {hlen} > limit {self._limits.max_header_bytes}")
-        return hlen
+        self._crc = checksum_into(self._dst, self._got, mv, self._crc)
+        self._got += len(mv)
 
     def _start_body(self) -> None:
         self._header = parse_header(memoryview(self._head)[PREFIX_BYTES:], self._expected, self._limits)

@@ -92,6 +92,17 @@ def check_kv_prefix(kv_start: int, hashes: list, fp: ModelFingerprint, num_token
         raise KvCodecError(f"prefix_hashes must be {PREFIX_HASH_BYTES}-byte strings")
 
 
+def read_prefix(raw: bytes | bytearray, limits: KvLimits) -> int:
+    """The header length a frame's first ``PREFIX_BYTES`` give; KvCodecError for a bad magic or a
+    header over ``limits.max_header_bytes``."""
+    magic, hlen = PREFIX_STRUCT.unpack(raw)
+    if magic != MAGIC:
+        raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
+    if hlen > limits.max_header_bytes:
+        raise KvCodecError(f"header too large: {hlen} > limit {limits.max_header_bytes}")
+    return hlen
+
+
 def decode_header(raw: bytes | bytearray | memoryview) -> dict:
     """Decode a header into a map and check its ``version``: KvCodecError for bytes that are not a
     msgpack map, and for any version but :data:`FORMAT_VERSION` (a peer of another release)."""

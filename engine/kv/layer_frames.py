@@ -44,12 +44,6 @@ from pdserve.engine.kv.frame_header import (
     check_request_header,
 )
 
-_LAYER_TYPES = {"request_id": str, "fingerprint": str, "layer": int, "start": int, "tokens": int}
-_LAYER_TYPES |= {"nbytes": int, "checksum": int}
-_END_TYPES = {"request_id": str, "fingerprint": str, "first_token": int, "first_token_unix_ns": int}
-_END_TYPES |= {"nbytes": int, "checksum": int}
-_SLICE = 1 << 20
-
 
 def _frame(header: dict) -> bytes:
     hdr = msgpack.packb({"version": FORMAT_VERSION, **header}, use_bin_type=True)

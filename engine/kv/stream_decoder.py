@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.kv.codec import Buffer, KvDecoder, KvPayload, _as_bytes_view, crc32
+from pdserve.engine.kv.codec import Buffer, KvDecoder, KvPayload, _as_bytes_view, checksum_into
 from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint
 from pdserve.engine.kv.frame_header import (
     DTYPES,
@@ -15,13 +15,12 @@ from pdserve.engine.kv.frame_header import (
     KIND_HEAD,
     KIND_LAYER,
     KIND_WHOLE,
-    MAGIC,
     PREFIX_BYTES,
-    PREFIX_STRUCT,
     KvLimits,
     check_request_header,
     check_types,
     decode_header,
+    read_prefix,
 )
 from pdserve.engine.kv.layer_frames import KvStreamEnd, KvStreamHead, LayerKv
 
@@ -29,7 +28,6 @@ _LAYER_TYPES = {"request_id": str, "fingerprint": str, "layer": int, "start": in
 _LAYER_TYPES |= {"nbytes": int, "checksum": int}
 _END_TYPES = {"request_id": str, "fingerprint": str, "first_token": int, "first_token_unix_ns": int}
 _END_TYPES |= {"nbytes": int, "checksum": int}
-_SLICE = 1 << 20  # tensor bytes are checksummed then copied in slices of this size
 
 
 class KvStreamDecoder:
@@ -70,11 +68,8 @@ class KvStreamDecoder:
         while len(mv):
             if self._frame is not None:  # tensor bytes of a layer frame
                 take = min(len(mv), self._frame["nbytes"] - self._got)
-                for i in range(0, take, _SLICE):
-                    piece = mv[i : min(i + _SLICE, take)]
-                    self._crc = crc32(piece, self._crc)
-                    self._dst[self._got : self._got + len(piece)] = piece
-                    self._got += len(piece)
+                self._crc = checksum_into(self._dst, self._got, mv[:take], self._crc)
+                self._got += take
                 mv = mv[take:]
                 if self._got == self._frame["nbytes"]:
                     events.append(self._layer_done())
@@ -88,11 +83,7 @@ class KvStreamDecoder:
             if len(self._raw) < need:
                 break
             if self._hlen is None:
-                magic, self._hlen = PREFIX_STRUCT.unpack(self._raw)
-                if magic != MAGIC:
-                    raise KvCodecError(f"bad magic {magic!r} (expected {MAGIC!r})")
-                if self._hlen > self._limits.max_header_bytes:
-                    raise KvCodecError(f"header too large: {self._hlen} > limit {self._limits.max_header_bytes}")
+                self._hlen = read_prefix(self._raw, self._limits)
                 continue
             raw, self._raw, self._hlen = self._raw, bytearray(), None
             event = self._header(raw, mv)
