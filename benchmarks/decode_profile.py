@@ -38,7 +38,7 @@ from pdserve.cli.throughput import matmul_tflops, memory_gbps, model_flops_per_t
 from pdserve.engine import model_runner
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.models import attention, linear
+from pdserve.engine.models import attention, linear, quant
 from pdserve.engine.params import SamplingParams
 
 WARMUP_STEPS = 3
@@ -82,7 +82,8 @@ class Timers:
 
 def instrument_classes(timers: Timers, ops_cls: type) -> None:
     """Time the linear, attention and elementwise classes and sampling (once per process)."""
-    for cls in {x for x in vars(linear).values() if isinstance(x, type) and x.__name__.endswith("Linear")}:
+    classes = [*vars(linear).values(), *vars(quant).values()]  # dense and --quantization linears
+    for cls in {x for x in classes if isinstance(x, type) and x.__name__.endswith("Linear")}:
         if "__call__" in vars(cls):
             timers.wrap(cls, "__call__", "linear")
     for cls in (attention.TorchAttention, attention.CpuPagedAttention):
