@@ -107,7 +107,7 @@ def decode_bound_s(engine: LLMEngine, batch: int, context: int, bandwidth: float
     itemsize = torch.empty((), dtype=dtype).element_size()
     head = mc.hidden_size * mc.vocab_size
     flops = model_flops_per_token(mc)
-    weights = weight_bytes(mc, itemsize)
+    weights = weight_bytes(mc, itemsize, engine.cfg.quantization)
     kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     return {
         "linear": max((weights - head * itemsize) / bandwidth / 1e9, batch * (flops - 2 * head) / peak / 1e12),
@@ -124,6 +124,7 @@ def profile_batch(args, batch: int, bandwidth: float, timers: Timers, torch_prof
         num_kv_blocks=batch * (-(-(args.context + args.steps + 16) // 16)) + 8,
         enable_prefix_caching=False,
         torch_threads=args.threads,
+        quantization=args.quantization,
     )
     engine = LLMEngine(cfg)
     rng = random.Random(0)
@@ -197,6 +198,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
     args = p.parse_args()
