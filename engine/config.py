@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,7 @@ from pdserve.engine.models.registry import (
 )
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
-# a prefill worker's KV hand-off: one frame after the prefill, or each layer while it runs
-# (prefill_worker/layer_stream.py)
+# a prefill worker's KV hand-off: one frame after the prefill, or each layer while it runs (layer_stream.py)
 KV_STREAMS = ("whole", "layer")
 DEFAULT_KV_STREAM = "layer"  # the lower TTFT at 1,024 tokens on 2 CPU cores (docs/measurements.md)
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, of the decoder's linears (engine/models/quant.py)
@@ -229,8 +228,6 @@ def for_role(cfg: EngineConfig, role: str) -> EngineConfig:
     """``cfg`` with ``role``'s defaults where it sets none: without chunked prefill, a batch of
     whole prompts up to ``UNCHUNKED_TOKEN_BUDGET`` tokens; with it, ``DEFAULT_TOKEN_BUDGET[role]`` and,
     unless a token budget was given (vLLM's rule exactly), ``DEFAULT_TARGET_ITL_MS[role]``."""
-    from dataclasses import replace
-
     if cfg.max_num_batched_tokens is not None:
         return cfg
     if not cfg.enable_chunked_prefill:
@@ -253,7 +250,8 @@ class EngineConfig:
     ``quantization`` ("none", "int8" or "int4") quantizes the decoder layers' linear weights
     (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``. ``kv_stream`` (a prefill
     worker's): its KV goes to decode as one frame after the prefill ("whole") or layer by layer
-    while the prefill runs ("layer").
+    while the prefill runs ("layer"). ``enforce_eager``: on CUDA, run decode steps op by op
+    instead of replaying captured CUDA graphs (``pdserve.engine.decode_graphs``).
     """
 
     model: str
@@ -272,6 +270,7 @@ class EngineConfig:
     target_itl_ms: float | None = None  # chunked prefill: size each step's prompt chunk to this step time
     quantization: str = "none"
     kv_stream: str = DEFAULT_KV_STREAM
+    enforce_eager: bool = False
 
     @property
     def token_budget(self) -> int:

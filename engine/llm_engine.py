@@ -74,6 +74,7 @@ class LLMEngine(KvHandoff):
                 "max_model_len %d exceeds the model's %d positions; using %d", cfg.max_model_len, max_pos, max_pos
             )
         self.max_model_len = min(cfg.max_model_len or max_pos, max_pos)
+        self.runner.start_decode_graphs(self.max_model_len)
         mc = self.model_cfg
         self.fingerprint = ModelFingerprint(
             mc.architecture,

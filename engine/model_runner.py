@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.decode_graphs import DecodeGraphs
 from pdserve.engine.models.attention import AttentionMetadata, select_backend
 from pdserve.engine.models.dtype import resolve_dtype
 from pdserve.engine.models.loader import load_weights
@@ -34,12 +35,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     """Runs the forward pass over the paged KV cache.
 
-    ``kv_cache``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. ``layer_hook``:
+    ``kv_cache``: [num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]; the last block
+    is the scratch block of padded decode rows (``decode_graphs``), never handed out. ``graphs``: the
+    decode steps' fixed-size path (``start_decode_graphs``), or None (eager). ``layer_hook``:
     None, or called as ``layer_hook(batch, i, kv_cache[i])`` after layer i of every prefill step
     (``CausalLM.layer_hook``; the layer-wise KV hand-off).
     """
 
     layer_hook: Callable[[Batch, int, torch.Tensor], None] | None = None
+    graphs: DecodeGraphs | None = None
 
     def __init__(self, cfg: EngineConfig, model_dir: Path) -> None:
         self.cfg = cfg
@@ -78,13 +82,34 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             mc.num_layers,
             2,
-            self.num_blocks,
+            self.num_blocks + 1,
             cfg.block_size,
             mc.num_kv_heads,
             mc.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
+
+    def start_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
+        """Run decode steps through ``DecodeGraphs`` for contexts up to ``max_model_len`` tokens.
+        ``capture`` None: capture CUDA graphs on a CUDA device unless ``enforce_eager``, and on a mixture
+        of experts (its routing reads expert counts on the host) or a CPU run eagerly as before; True /
+        False: replayed graphs / the same padded path without a graph (CPU tests)."""
+        if capture is None:
+            if self.device.type != "cuda" or self.cfg.enforce_eager or self.model_cfg.num_experts:
+                return
+            capture = True
+        model, cache = self.model, self.kv_cache
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: model.compute_logits(model.forward(ids, pos, meta, cache)),
+            self.device,
+            self.cfg.block_size,
+            self.cfg.max_num_seqs,
+            -(-max_model_len // self.cfg.block_size),
+            self.num_blocks * self.cfg.block_size,
+            capture,
+        )
+        self.graphs.capture_all()
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Slot mapping of positions start..end-1 of ``seq`` (host ints)."""
@@ -102,6 +127,9 @@ class ModelRunner:
         queries attend to the cached positions before them and to each other, causally."""
         seqs, counts = batch.seqs, batch.num_query_tokens
         width = max(len(s.block_table) for s in seqs)
+        bucket = None if batch.is_prefill or self.graphs is None else self.graphs.bucket_for(len(seqs), width)
+        if bucket is not None:
+            return self._decode_in(bucket, seqs)
         tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
         if self._frees_blocks:  # entries freed outside the window (-1) point at block 0, never read
             tables.clamp_(min=0)
@@ -143,6 +171,19 @@ class ModelRunner:
         return sample(
             logits, [s.sampling for s in chosen], [s.sampling.step_offset + s.num_output_tokens for s in chosen]
         )
+
+    def _decode_in(self, bucket: tuple[int, int], seqs: list[Sequence]) -> list[int]:
+        """A decode step through ``graphs`` (one token per sequence, its last)."""
+        starts = [s.num_computed_tokens for s in seqs]
+        logits = self.graphs.run(
+            bucket,
+            [s.token_ids[-1] for s in seqs],
+            starts,
+            [self.slots(s, a, a + 1)[0] for s, a in zip(seqs, starts)],
+            [a + 1 for a in starts],
+            [[max(b, 0) for b in s.block_table] if self._frees_blocks else s.block_table for s in seqs],
+        )
+        return sample(logits, [s.sampling for s in seqs], [s.sampling.step_offset + s.num_output_tokens for s in seqs])
 
     def _runs(self, seq: Sequence, n: int, start: int = 0) -> list[tuple[int, int, int]]:
         """Positions start..n-1 of ``seq`` (``start`` a multiple of the block size) as runs over

@@ -154,6 +154,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU per worker, else cpu"
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run each decode step op by op instead of replaying a captured CUDA graph "
+        "(graphs are captured at start for batch-size and context buckets; no effect on CPU)",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per worker")
     parser.add_argument(
         "--attention-backend",
@@ -189,4 +195,5 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
         target_itl_ms=args.target_itl_ms,
         quantization=args.quantization,
         kv_stream=args.kv_stream,
+        enforce_eager=args.enforce_eager,
     )
