@@ -1,15 +1,13 @@
 """Attention backends over the paged KV cache, chosen once when the model runner starts.
 
-* ``CpuPagedAttention``: one C++ kernel (``csrc/paged_attention.cpp``) for prefill and decode. It
-  reads each sequence's K/V in place through its block table (the step's own K/V are written there
-  first), so a step costs the sum of the context lengths, and a packed prefill batch is one call per
-  layer with no padding and no per-sequence loop (1.4x faster than SDPA's fused kernel at 256 tokens).
-* ``TorchAttention``: prefill runs SDPA's fused kernel on each sequence's fresh K/V (one call per
-  sequence: SDPA has no variable-length CPU kernel, and one call over the packed batch with a
-  block-diagonal mask would do ``num_seqs`` times the work); decode gathers every sequence's
-  blocks into a batch padded to the longest block table and runs masked SDPA. It runs on any
-  device and is the reference the tests hold the other backends to. With a soft-cap of the scores
-  (Gemma 2), which SDPA cannot apply, both phases take transformers' eager arithmetic instead.
+* ``CpuPagedAttention``: one C++ kernel (``csrc/paged_attention.cpp``) for prefill and decode,
+  reading each sequence's K/V in place through its block table: a packed prefill batch is one call
+  per layer, no padding (1.4x faster than SDPA's fused kernel at 256 tokens).
+* ``TorchAttention``: prefill runs SDPA on each sequence's fresh K/V (SDPA has no variable-length
+  CPU kernel); decode gathers every sequence's blocks into a batch padded to the longest block
+  table and runs masked SDPA. It runs on any device and is the reference the tests hold the
+  others to; with Gemma 2's soft-capped scores both take transformers' eager arithmetic.
+* On CUDA, ``attention_cuda.CudaVarlenAttention`` prefills the step in one varlen FlashAttention call.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import torch.nn.functional as F
 from pdserve.engine.models.kernels import ATTENTION_SYMBOLS, KernelUnavailable, load_cpu_kernels
 
 log = logging.getLogger(__name__)
-
 BACKENDS = ("auto", "cpu-paged", "sdpa-prefill", "torch")
 
 
@@ -265,10 +262,9 @@ def select_backend(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> AttentionBackend:
-    """The backend for ``name``: ``"auto"`` (the C++ paged kernel on CPU when it builds and fits
-    the model's shape, else ``"torch"``), ``"cpu-paged"``, ``"sdpa-prefill"`` (the kernel, with
-    whole prompts through SDPA: ``SdpaPrefillAttention``) or ``"torch"``; ``scale`` (default
-    head_dim ** -0.5) and ``softcap`` as ``AttentionBackend`` says.
+    """The backend for ``name``: ``"auto"`` (on CPU the C++ paged kernel when it builds and fits the
+    model's shape, on CUDA ``attention_cuda.cuda_backend``'s), ``"cpu-paged"``, ``"sdpa-prefill"``
+    (``SdpaPrefillAttention``) or ``"torch"``; ``scale`` (default head_dim ** -0.5) and ``softcap``.
 
     Raises ValueError for an unknown name and KernelUnavailable when ``"cpu-paged"`` or
     ``"sdpa-prefill"`` is asked for but cannot run here. Logs the choice and, for ``"auto"``, why
@@ -279,6 +275,10 @@ def select_backend(
     scale = head_dim**-0.5 if scale is None else scale
     if name == "torch":
         return TorchAttention(scale, sliding_window, softcap)
+    if name == "auto" and device.type == "cuda":
+        from pdserve.engine.models.attention_cuda import cuda_backend
+
+        return cuda_backend(device, dtype, scale, sliding_window, softcap)
     try:
         if device.type != "cpu":
             raise KernelUnavailable(f"the paged C++ kernel runs on CPU, not {device.type}")
