@@ -165,7 +165,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=["auto", "cpu-paged", "sdpa-prefill", "torch"],
-        help="auto = the paged C++ kernel on CPU, else torch (gather + SDPA); sdpa-prefill = the kernel, "
+        help="auto = the paged C++ kernel on CPU, varlen FlashAttention prefill on CUDA in half precision, "
+        "else torch (gather + SDPA); sdpa-prefill = the kernel, "
         "with prompts computed whole through SDPA (faster prefill, not batch-invariant)",
     )
 
