@@ -24,6 +24,7 @@ import sys
 from dataclasses import replace
 
 import torch
+from gpu_check_varlen import check_varlen
 
 from pdserve.cli.throughput import format_result, median_decode_step_ms, run_throughput
 from pdserve.engine.config import EngineConfig
@@ -213,62 +214,6 @@ def check_quantized(folder, max_tokens: int = 24) -> None:
         )
 
 
-@torch.inference_mode()
-def check_varlen() -> bool:
-    """``CudaVarlenAttention``'s bfloat16 prefill against float32 ``TorchAttention`` on random inputs
-    (whole sequences, chunks after cached positions, a sliding window): its error at most 1.5x
-    that of bfloat16 ``TorchAttention`` (per-sequence SDPA), or 0.01 std."""
-    from pdserve.engine.models.attention import AttentionMetadata, TorchAttention
-    from pdserve.engine.models.attention_cuda import CudaVarlenAttention, varlen_available
-
-    if why := varlen_available(torch.device(DEVICE), torch.bfloat16, None):
-        print(f"varlen prefill: not run ({why})")
-        return True
-    gen, ok = torch.Generator(device=DEVICE).manual_seed(1), True
-    H, Hkv, D, bs, new = 12, 4, 64, 16, (37, 100, 5)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=DEVICE).to(torch.bfloat16)
-
-    for cached, window in (((0, 0, 0), None), ((0, 40, 300), None), ((0, 40, 300), 64)):
-        lens = [c + n for c, n in zip(cached, new)]
-        tables, at = [], 0
-        for n in lens:
-            tables.append(list(range(at, at - (-n // bs))))
-            at = tables[-1][-1] + 1
-        width = max(map(len, tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-        k_cache, v_cache, q = randn(at, bs, Hkv, D), randn(at, bs, Hkv, D), randn(sum(new), H, D)
-        k, v = (
-            torch.cat([c[bt[s, : len(tables[s])].long()].flatten(0, 1)[cached[s] : lens[s]] for s in range(3)])
-            for c in (k_cache, v_cache)
-        )
-        cu = [0, *torch.tensor(new).cumsum(0).tolist()]
-        slots = torch.zeros(sum(new), dtype=torch.int64, device=DEVICE)  # not read by prefill
-        meta = AttentionMetadata(
-            True,
-            slots,
-            bt,
-            torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-            torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-            cu_seqlens=cu,
-            context_lens_host=lens,
-        )
-        f32 = [t.float() for t in (q, k, v, k_cache, v_cache)]
-        ref = TorchAttention(D**-0.5, window).prefill(*f32, meta)
-        errs = [
-            ((kind(D**-0.5, window).prefill(q, k, v, k_cache, v_cache, meta).float() - ref).abs().max() / ref.std())
-            for kind in (TorchAttention, CudaVarlenAttention)
-        ]
-        good = bool(errs[1] <= max(1.5 * errs[0], 0.01))
-        ok &= good
-        print(
-            f"varlen prefill, bf16, cached {cached}, window {window}: error vs float32 {errs[1]:.4f} std, "
-            f"per-sequence SDPA's {errs[0]:.4f} {'PASS' if good else 'FAIL'}"
-        )
-    return ok
-
-
 def decode_steps(
     model: str, batch_sizes: list[int], scheme: str, eager: bool, context: int = 256, steps: int = 20
 ) -> None:
@@ -303,7 +248,7 @@ def main() -> int:
         return 2
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     print(f"device {name}  torch {torch.__version__}")
-    ok = check_varlen()
+    ok = check_varlen(DEVICE)
     for spec in ("embedded", args.model):
         folder = resolve_model_dir(spec)
         print(f"-- {spec}")

@@ -62,6 +62,9 @@ class VirtualRunner:
         self.trace: list | None = None
         self.num_steps = 0
 
+    def start_decode_graphs(self, max_model_len: int) -> None:
+        """No graphs to capture: a virtual step's time comes from the profile, captured or not."""
+
     def run(self, batch: Batch) -> list[int]:
         """Advance the clock by the batch's predicted seconds; one ``token`` per sampling sequence."""
         self.clock.now_s += self.model.batch_s(*batch_shape(batch))
