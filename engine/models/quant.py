@@ -135,20 +135,47 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _int8_cpu_kernel(weight: torch.Tensor):
+    """The C++ int8 x int8 kernel (``csrc/int8_linear.cpp``) and its most rows for this bfloat16 CPU
+    weight, or (None, 0) where it cannot run (no AVX512-VNNI, no compiler, in_features % 64)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 64:
+        return None, 0
+    from pdserve.engine.models.kernels import KernelUnavailable, load_cpu_kernels
+
+    try:
+        lib = load_cpu_kernels()
+    except KernelUnavailable:
+        return None, 0
+    rows = lib.pdserve_int8_linear_max_rows()
+    return (lib.pdserve_int8_linear_bf16, rows) if rows else (None, 0)
+
+
 class Int8Linear:
     """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features].
 
-    Up to ``KERNEL_MAX_ROWS["int8"]`` rows run ``_weight_int8pack_mm``; more rows (a prefill, a large
-    decode batch) run the model dtype's GEMM over the weight dequantized for the call."""
+    On a CPU with AVX512-VNNI and bfloat16 activations, calls of up to ``vnni_rows`` rows (8) run
+    ``csrc/int8_linear.cpp``, which also quantizes x to int8 per block of 16 inputs (its error is
+    stated in docs/models.md); other calls of up to ``KERNEL_MAX_ROWS["int8"]`` rows run
+    ``_weight_int8pack_mm`` (weight-only); more rows (a prefill, a large decode batch) run the model
+    dtype's GEMM over the weight dequantized for the call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         q, scales = quantize_int8(weight)
         self.qweight, self.scales, self.bias = q, scales.to(weight.dtype), bias
         self.out_features = weight.shape[0]
+        self._vnni, self.vnni_rows = _int8_cpu_kernel(weight)
+        self._scales_f32 = scales.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x)
-        if x2.shape[0] <= KERNEL_MAX_ROWS["int8"]:
+        if x2.shape[0] <= self.vnni_rows and x2.dtype == torch.bfloat16:
+            m, (n, k) = x2.shape[0], self.qweight.shape
+            y = torch.empty(m, n, dtype=x2.dtype)
+            self._vnni(
+                x2.data_ptr(), self.qweight.data_ptr(), self._scales_f32.data_ptr(), y.data_ptr(), m, n, k,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        elif x2.shape[0] <= KERNEL_MAX_ROWS["int8"]:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:  # the weight dequantized for the call: N * K products, where scaling y would cost M * N
             y = F.linear(x2, self.qweight.to(x2.dtype).mul_(self.scales[:, None]))

@@ -118,7 +118,9 @@ async def test_a_stream_cut_at_any_frame_leaves_no_block_and_says_so(decode):
 
         call = stub.PushKv(some_frames())
         await sent.wait()
-        await asyncio.sleep(0.05)
+        deadline = asyncio.get_running_loop().time() + 10  # the head's reservation runs on the engine thread
+        while not worker.engine.blocks.num_used and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         assert worker.engine.blocks.num_used > 0  # the head reserved the blocks
         call.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as info:
