@@ -140,7 +140,7 @@ class WorkerPool:
         room = [w for w in ws if not bound or w.active_requests < bound]
         if not room:
             raise Overloaded(
-                f"every {role} worker holds {bound} requests (--max-requests-per-worker); "
+                f"every {role} worker holds {bound} request{'s' if bound != 1 else ''} (--max-requests-per-worker); "
                 f"retry in {Overloaded.retry_after_s:g}s"
             )
         return room
