@@ -205,6 +205,8 @@ def cmd_serve(args) -> int:
     if note:
         print(note, flush=True)
     http = f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else ""
+    if cfg.engine.quantization != "none":
+        http += f"; decoder linears quantized to {cfg.engine.quantization}"
     keys = len(cfg.api_keys)
     http += f"; API keys: {keys} required" if keys else "; API keys: off (anyone who can reach the ports may call)"
     print(

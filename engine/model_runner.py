@@ -76,6 +76,8 @@ class ModelRunner:
                 lambda layer: backends[mc.layer_windows[layer]],
                 select_ops(self.device, self.dtype),
             )
+        if cfg.quantization != "none":
+            log.info("weights: the decoder layers' linears quantized to %s (--quantization)", cfg.quantization)
         self._frees_blocks = mc.kv_window is not None  # tables may hold NULL_BLOCK (block_manager.py)
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)

@@ -48,7 +48,7 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: torch.device) -
     AVX512-FP16. An explicit dtype is used as asked.
     """
     if requested != "auto":
-        return requested, "as asked (--dtype)"
+        return requested, "as asked by --dtype"
     feature = native_bf16(device)
     if checkpoint_dtype == "float32" and feature:
         return "bfloat16", f"float32 checkpoint, native bfloat16 matmul ({feature}); --dtype float32 keeps float32"

@@ -33,7 +33,7 @@ def test_auto_rule(monkeypatch, feature, checkpoint, want):
 
 def test_explicit_dtype_is_kept(monkeypatch):
     monkeypatch.setattr(dtype_mod, "native_bf16", lambda device: "avx512_bf16")
-    assert resolve_dtype("float32", "float32", CPU) == ("float32", "as asked (--dtype)")
+    assert resolve_dtype("float32", "float32", CPU) == ("float32", "as asked by --dtype")
 
 
 def test_checkpoint_dtype_is_read_from_config():
