@@ -107,7 +107,7 @@ def decode_bound_s(engine: LLMEngine, batch: int, context: int, bandwidth: float
     itemsize = torch.empty((), dtype=dtype).element_size()
     head = mc.hidden_size * mc.vocab_size
     flops = model_flops_per_token(mc)
-    weights = weight_bytes(mc, itemsize, engine.cfg.quantization)
+    weights = weight_bytes(mc, itemsize, engine.cfg.quantization, engine.cfg.lm_head_quantization)
     kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     return {
         "linear": max((weights - head * itemsize) / bandwidth / 1e9, batch * (flops - 2 * head) / peak / 1e12),

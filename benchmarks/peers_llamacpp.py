@@ -39,7 +39,7 @@ from peers_env import new_venv
 LLAMA_INSTALL = ("llama-cpp-python==0.3.36",)
 LLAMA_TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q4_1")  # Q4_1: the file as shipped (when it is Q4_1)
 LLAMA_PROMPT, LLAMA_TOKENS, LLAMA_ROUNDS = 64, 64, 3
-PAIRS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_K_M": "int4", "Q4_1": "int4"}
+PAIRS = [("Q8_0", "int8"), ("Q8_0", "int8+head8"), ("Q4_0", "int4"), ("Q4_K_M", "int4"), ("Q4_1", "int4")]
 
 
 def ensure_llama_venv(path: Path) -> Path:
@@ -88,7 +88,9 @@ def run_llamacpp(args, out: Path) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    engines = {q: build(args.model, "bfloat16", q) for q in ("none", "int8", "int4")}
+    schemes = {"bf16": ("none", "none"), "int8": ("int8", "none"), "int4": ("int4", "none")}
+    schemes["int8+head8"] = ("int8", "int8")  # lm_head int8 too, as llama.cpp's Q8_0 file has its output
+    engines = {label: build(args.model, "bfloat16", q, head) for label, (q, head) in schemes.items()}
     ids = list(range(1000, 1000 + LLAMA_PROMPT))
     tpot: dict[str, list[float]] = {}
     extra_bufts = True
@@ -104,9 +106,9 @@ def run_llamacpp(args, out: Path) -> dict:
                 extra_bufts = job["extra_bufts"] = False
                 res = _worker(py, job)
             tpot.setdefault(f"llama.cpp {kind}", []).append(res["tpot_s"])
-        for q, (engine, first) in engines.items():
+        for label, (engine, first) in engines.items():
             _, steps, _ = generate(engine, first, ids, LLAMA_TOKENS + 1)
-            tpot.setdefault(f"pdserve {'bf16' if q == 'none' else q}", []).append(statistics.median(steps))
+            tpot.setdefault(f"pdserve {label}", []).append(statistics.median(steps))
     name, amx = cpu()
     tag = f"[{name}, AMX {'yes' if amx else 'no'}, 1 thread]"
     figures = {"cpu": name, "amx": amx, "gguf": src.name, "llama_extra_bufts": extra_bufts, "systems": {}}
@@ -115,7 +117,7 @@ def run_llamacpp(args, out: Path) -> dict:
         ms = statistics.median(values) * 1e3
         figures["systems"][system] = {"tpot_ms": ms, "rounds_ms": [v * 1e3 for v in values]}
         print(f"  {system:18s} {ms:7.2f} ms  {tag}")
-    for kind, q in PAIRS.items():
+    for kind, q in PAIRS:
         ours, theirs = figures["systems"][f"pdserve {q}"]["tpot_ms"], figures["systems"][f"llama.cpp {kind}"]["tpot_ms"]
         print(f"  pdserve {q} / llama.cpp {kind}: {ours / theirs:.2f}x the time per token  {tag}")
     (out / "llamacpp.json").write_text(json.dumps(figures, indent=2) + "\n")

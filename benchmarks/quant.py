@@ -11,7 +11,7 @@ first step (the prefill's last position), with bf16's own error against fp32 bes
 
     python benchmarks/quant.py                                  # smollm2-135m
     python benchmarks/quant.py --model gemma3-270m --prompts 8
-    python benchmarks/quant.py --lm-head                        # also: the same with lm_head quantized
+    python benchmarks/quant.py --lm-head                        # also: with --lm-head-quantization
     python benchmarks/quant.py --throughput                     # also: W1 through `pdserve throughput`
 
 Every figure line carries the CPU's name (lscpu's "Model name") and whether it has AMX.
@@ -79,22 +79,13 @@ def build(model: str, dtype: str, quantization: str, lm_head: str = "none"):
             model=model,
             dtype=dtype,
             quantization=quantization,
+            lm_head_quantization=lm_head,
             num_kv_blocks=256,
             torch_threads=1,
             enable_prefix_caching=False,  # position_logits writes the cache outside the scheduler
         )
     )
     model_ = engine.runner.model
-    if lm_head != "none":  # what quantizing lm_head too would give (not a serving option)
-        from safetensors import safe_open
-
-        from pdserve.engine.models.quant import quantized_linear
-
-        weight = model_.embed
-        if not model_.cfg.tie_word_embeddings:
-            with safe_open(str(engine.model_dir / "model.safetensors"), "pt") as f:
-                weight = f.get_tensor("lm_head.weight").to(model_.embed.dtype)
-        model_.lm_head = quantized_linear(weight, None, lm_head) or model_.lm_head
     first: list = []
     compute = model_.compute_logits
 

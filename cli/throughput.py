@@ -34,6 +34,7 @@ class ThroughputResult:
     dtype_reason: str
     attention_backend: str
     quantization: str  # of the decoder layers' weights: none, int8 or int4
+    lm_head_quantization: str  # of lm_head's weight
     num_prompts: int
     input_len: int
     output_len: int
@@ -103,12 +104,12 @@ def model_flops_per_token(mc: ModelConfig) -> int:
 QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 32}
 
 
-def weight_bytes(mc: ModelConfig, itemsize: int, quantization: str = "none") -> int:
-    """Bytes a decode step reads for weights (embedding rows are negligible; lm_head is read, in
-    the model dtype; the decoder layers' linears at ``QUANTIZED_BYTES`` each when quantized)."""
+def weight_bytes(mc: ModelConfig, itemsize: int, quantization: str = "none", lm_head: str = "none") -> int:
+    """Bytes a decode step reads for weights (embedding rows are negligible): the decoder layers'
+    linears and lm_head, each at ``QUANTIZED_BYTES`` a weight under its scheme, else ``itemsize``."""
     head = mc.hidden_size * mc.vocab_size
     layers = model_flops_per_token(mc) // 2 - head
-    return int(layers * QUANTIZED_BYTES.get(quantization, itemsize) + head * itemsize)
+    return int(layers * QUANTIZED_BYTES.get(quantization, itemsize) + head * QUANTIZED_BYTES.get(lm_head, itemsize))
 
 
 def run_throughput(
@@ -155,7 +156,7 @@ def run_throughput(
     mean_ctx = input_len + output_len / 2
     kv_bytes = batch * mean_ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     step_bound = max(
-        (weight_bytes(mc, itemsize, cfg.quantization) + kv_bytes) / (bandwidth * 1e9),
+        (weight_bytes(mc, itemsize, cfg.quantization, cfg.lm_head_quantization) + kv_bytes) / (bandwidth * 1e9),
         batch * model_flops_per_token(mc) / (peak_decode * 1e12),
     )
     total_bound = prefill_bound + (output_len - 1) * num_prompts / batch * step_bound
@@ -167,6 +168,7 @@ def run_throughput(
         dtype_reason=runner.dtype_reason,
         attention_backend=runner.model.attention.name,
         quantization=cfg.quantization,
+        lm_head_quantization=cfg.lm_head_quantization,
         num_prompts=num_prompts,
         input_len=input_len,
         output_len=output_len,
@@ -212,7 +214,8 @@ def format_result(r: ThroughputResult) -> str:
     return "\n".join(
         [
             f"model {r.model}  dtype {r.dtype} ({r.dtype_reason})  attention {r.attention_backend}"
-            + (f"  quantization {r.quantization}" if r.quantization != "none" else ""),
+            + (f"  quantization {r.quantization}" if r.quantization != "none" else "")
+            + (f"  lm_head {r.lm_head_quantization}" if r.lm_head_quantization != "none" else ""),
             f"{r.num_prompts} prompts x {r.input_len} random tokens in -> {r.output_len} greedy tokens out, "
             "EOS ignored",
             f"total     {r.total_tokens_per_s:9.0f} tok/s   ({r.elapsed_s:.2f} s; bound {r.total_bound_s:.2f} s, "

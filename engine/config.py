@@ -240,18 +240,17 @@ def for_role(cfg: EngineConfig, role: str) -> EngineConfig:
 class EngineConfig:
     """Engine settings shared by every role.
 
-    ``num_kv_blocks`` is the size of the paged KV cache in blocks of ``block_size`` tokens; when
-    None it is derived from ``kv_cache_gib`` (GiB of KV memory). ``max_num_batched_tokens`` is the
-    token budget of one step (with ``enable_chunked_prefill``, prompts are cut into chunks to fit it
-    beside the decoding sequences; without, it bounds a prefill batch of whole prompts);
-    ``max_num_seqs`` bounds the sequences of any step. ``enable_prefix_caching`` keeps full KV
-    blocks for reuse by later requests with the same prefix.
-    ``torch_threads`` (CPU only) sets ``torch.set_num_threads`` for the worker process.
-    ``quantization`` ("none", "int8" or "int4") quantizes the decoder layers' linear weights
-    (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``. ``kv_stream`` (a prefill
-    worker's): its KV goes to decode as one frame after the prefill ("whole") or layer by layer
-    while the prefill runs ("layer"). ``enforce_eager``: on CUDA, run decode steps op by op
-    instead of replaying captured CUDA graphs (``pdserve.engine.decode_graphs``).
+    ``num_kv_blocks``: the paged KV cache's size in blocks of ``block_size`` tokens (None: from
+    ``kv_cache_gib``, GiB). ``max_num_batched_tokens``: the token budget of one step (with
+    ``enable_chunked_prefill`` prompts are cut into chunks to fit it beside the decoding sequences;
+    without, it bounds a batch of whole prompts); ``max_num_seqs`` bounds the sequences of a step.
+    ``enable_prefix_caching`` keeps full KV blocks for later requests with the same prefix.
+    ``torch_threads`` (CPU only): ``torch.set_num_threads`` for the worker process.
+    ``quantization`` / ``lm_head_quantization`` ("none", "int8" or "int4"): the decoder layers'
+    linears' / lm_head's weights (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``.
+    ``kv_stream`` (a prefill worker's): its KV goes to decode as one frame after the prefill
+    ("whole") or layer by layer while it runs ("layer"). ``enforce_eager``: on CUDA, decode steps
+    op by op instead of replayed CUDA graphs (``pdserve.engine.decode_graphs``).
     """
 
     model: str
@@ -269,6 +268,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     target_itl_ms: float | None = None  # chunked prefill: size each step's prompt chunk to this step time
     quantization: str = "none"
+    lm_head_quantization: str = "none"
     kv_stream: str = DEFAULT_KV_STREAM
     enforce_eager: bool = False
 
@@ -284,8 +284,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
         if self.kv_stream not in KV_STREAMS:
             raise ValueError(f"kv_stream must be one of {', '.join(KV_STREAMS)}, got {self.kv_stream!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        for name in ("quantization", "lm_head_quantization"):
+            if getattr(self, name) not in QUANTIZATIONS:
+                raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, got {getattr(self, name)!r}")
         if self.max_num_seqs < 1 or self.token_budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):

@@ -69,15 +69,15 @@ class ModelRunner:
             )
             for window in dict.fromkeys(mc.layer_windows)
         }
-        with quantization(cfg.quantization):  # the decoder layers' linears (engine/models/quant.py)
+        with quantization(cfg.quantization, cfg.lm_head_quantization):  # engine/models/quant.py
             self.model = family_module(mc.architecture).build(
                 mc,
                 load_weights(model_dir, mc, self.dtype, cfg.device),
                 lambda layer: backends[mc.layer_windows[layer]],
                 select_ops(self.device, self.dtype),
             )
-        if cfg.quantization != "none":
-            log.info("weights: the decoder layers' linears quantized to %s (--quantization)", cfg.quantization)
+        if cfg.quantization != "none" or cfg.lm_head_quantization != "none":
+            log.info("weights quantized: decoder linears %s, lm_head %s", cfg.quantization, cfg.lm_head_quantization)
         self._frees_blocks = mc.kv_window is not None  # tables may hold NULL_BLOCK (block_manager.py)
         per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
         self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)

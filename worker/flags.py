@@ -144,6 +144,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "CPU with bfloat16 activations (docs/models.md#quantization)",
     )
     parser.add_argument(
+        "--lm-head-quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="quantize lm_head's weight too (int8 or int4; with tied embeddings, a quantized copy "
+        "beside the embedding). llama.cpp's GGUF files quantize it as well; int4 costs accuracy "
+        "(docs/models.md#quantization)",
+    )
+    parser.add_argument(
         "--kv-stream",
         default=DEFAULT_KV_STREAM,
         choices=KV_STREAMS,
@@ -195,6 +203,7 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
         attention_backend=args.attention_backend,
         target_itl_ms=args.target_itl_ms,
         quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
         kv_stream=args.kv_stream,
         enforce_eager=args.enforce_eager,
     )

@@ -68,7 +68,7 @@ class CausalLM:
         self.embed = w["model.embed_tokens.weight"]
         inv_freq, self.attention_scaling = rope_parameters(cfg)
         self.inv_freq = inv_freq.to(self.embed.device)
-        self.lm_head = make_linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
+        self.lm_head = make_linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"], lm_head=True)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]

@@ -51,15 +51,18 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, *, quantizable: bool = False) -> Linear:
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, *, quantizable: bool = False, lm_head: bool = False
+) -> Linear:
     """The fastest linear for ``weight`` [out_features, in_features] on its device and dtype.
 
-    ``quantizable`` (the decoder layers' projections and experts): weight-only quantized when a
-    ``quant.quantization`` scheme other than "none" is in force and the weight can take it
+    ``quantizable`` (the decoder layers' projections and experts) or ``lm_head``: quantized when a
+    ``quant.quantization`` scheme other than "none" is in force for it and the weight can take it
     (``quant.quantized_linear``). Packing is tried once; a weight oneDNN refuses (wrong device,
     dtype or CPU) stays plain.
     """
-    if quantizable and (scheme := current_scheme()) != "none":
+    scheme = current_scheme(lm_head) if quantizable or lm_head else "none"
+    if scheme != "none":
         quantized = quantized_linear(weight, bias, scheme)
         if quantized is not None:
             return quantized

@@ -1,8 +1,10 @@
-"""Weight-only quantization of the decoder's linears (``--quantization int8|int4``).
+"""Weight quantization of the decoder's linears (``--quantization int8|int4``) and of lm_head
+(``--lm-head-quantization``).
 
-Weights are quantized once, at load time, from the model-dtype weight; activations, the KV cache,
-embeddings, norms, the MoE router and ``lm_head`` stay in the model dtype. Each linear runs torch's
-own weight-only kernels, which dequantize a tile of the weight inside the GEMM:
+Weights are quantized once, at load time, from the model-dtype weight; the KV cache, embeddings,
+norms and the MoE router stay in the model dtype, and so do activations, but for int8's CPU kernel
+(``Int8Linear``). Each linear runs torch's own weight-only kernels, which dequantize a tile of the
+weight inside the GEMM, or on AVX512-VNNI CPUs int8's ``csrc/int8_linear.cpp``:
 
 * ``int8``: symmetric, one scale per output channel: ``w[n, k] ~= q[n, k] * scale[n]`` with
   ``q`` in [-127, 127], ``scale[n] = max_k |w[n, k]| / 127``. Kernel ``aten._weight_int8pack_mm``
@@ -50,27 +52,32 @@ KERNEL_MAX_ROWS = {"int8": 24, "int4": 48}
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
 
 _warned: list[bool] = []  # the float32 warning is logged once a process
-_scheme: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_quantization", default="none")
+_scheme: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar(  # (decoder layers', lm_head's)
+    "pdserve_quantization", default=("none", "none")
+)
 
 
 @contextlib.contextmanager
-def quantization(scheme: str) -> Iterator[None]:
-    """Within the block, ``make_linear(..., quantizable=True)`` quantizes with ``scheme``.
+def quantization(scheme: str, lm_head: str = "none") -> Iterator[None]:
+    """Within the block, ``make_linear(..., quantizable=True)`` quantizes with ``scheme`` and
+    ``make_linear(..., lm_head=True)`` with ``lm_head``.
 
     Raises ValueError for a scheme not in ``QUANTIZATIONS``.
     """
-    if scheme not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
-    token = _scheme.set(scheme)
+    for name, value in (("quantization", scheme), ("lm_head_quantization", lm_head)):
+        if value not in QUANTIZATIONS:
+            raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, got {value!r}")
+    token = _scheme.set((scheme, lm_head))
     try:
         yield
     finally:
         _scheme.reset(token)
 
 
-def current_scheme() -> str:
-    """The scheme ``quantization`` set, "none" outside it."""
-    return _scheme.get()
+def current_scheme(lm_head: bool = False) -> str:
+    """The scheme ``quantization`` set for the decoder layers' linears (for lm_head with
+    ``lm_head``), "none" outside it."""
+    return _scheme.get()[1 if lm_head else 0]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
