@@ -162,7 +162,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except Exception as exc:
                 await context.abort(grpc.StatusCode.INTERNAL, f"KV cache admission failed: {exc!r}")
-            async for batch in relay_tokens(q, context, self._timings):
+            side = self.host.channels.sender(request.token_channel, rid)
+            async for batch in relay_tokens(q, context, self._timings, side):
                 finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
                 yield batch
         finally:

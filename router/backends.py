@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.router.pool import WorkerHandle, WorkerPool
+from pdserve.router.token_channel import merged_batches
 from pdserve.router.validation import ValidatedRequest
 from pdserve.v1 import generate_pb2, worker_pb2
 
@@ -60,23 +61,18 @@ class RequestState:
 
 
 async def token_events(
-    call, final: Callable[[generate_pb2.Timings], generate_pb2.Timings]
+    call, final: Callable[[generate_pb2.Timings], generate_pb2.Timings], channel_queue: asyncio.Queue | None = None
 ) -> AsyncIterator[WorkerEvent]:
-    """A worker's TokenBatch stream as WorkerEvents; ``final(worker_timings)`` gives the timings of
-    each batch that carries some (the first, with the phases known then, and the last). A stream
-    that ends without a final batch raises INTERNAL."""
-    async for batch in call:
+    """A worker's TokenBatch stream as WorkerEvents, in order from the call and, when the request
+    named a token channel, that channel's ``channel_queue`` (router/token_channel.py);
+    ``final(worker_timings)`` gives the timings of each batch that carries some (the first, with
+    the phases known then, and the last). A stream that ends without a final batch raises INTERNAL."""
+    async for batch in merged_batches(call, channel_queue):
         timings = final(batch.timings) if batch.HasField("timings") else None
         if batch.finish_reason:
             yield WorkerEvent(list(batch.token_ids), batch.finish_reason, timings)
             return
         yield WorkerEvent(list(batch.token_ids), timings=timings)
-    raise grpc.aio.AioRpcError(
-        grpc.StatusCode.INTERNAL,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        "worker stream ended without a final message",
-    )
 
 
 def route_wait(timeout: float | None) -> float:
@@ -113,8 +109,15 @@ async def colocated_stream(
     w.outstanding_prefill_tokens += n
     w.active_requests += 1
     t_send = time.monotonic_ns()
+    channel_queue = w.tokens.subscribe(request_id)
     call = w.colocated.Generate(
-        worker_pb2.ColocatedRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling), timeout=timeout
+        worker_pb2.ColocatedRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            token_channel=w.tokens.channel_id if channel_queue is not None else "",
+        ),
+        timeout=timeout,
     )
     state.calls.append(call)
     prefilled = False
@@ -129,7 +132,7 @@ async def colocated_stream(
         return timings
 
     try:
-        async for ev in token_events(call, final):
+        async for ev in token_events(call, final, channel_queue):
             if not prefilled:
                 prefilled = True
                 w.outstanding_prefill_tokens -= n
@@ -140,6 +143,7 @@ async def colocated_stream(
         raise
     finally:
         call.cancel()
+        w.tokens.unsubscribe(request_id)
         if not prefilled:
             w.outstanding_prefill_tokens -= n
         w.active_requests -= 1

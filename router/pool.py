@@ -202,7 +202,7 @@ class WorkerPool:
         for i, w in enumerate(self.workers):
             if w.address == old:
                 self.workers[i] = fresh
-                await w.channel.close()
+                await w.close()
                 break
         else:
             self.workers.append(fresh)
@@ -238,4 +238,4 @@ class WorkerPool:
         if self._poller is not None:
             self._poller.cancel()
         for w in self.workers:
-            await w.channel.close()
+            await w.close()

@@ -143,8 +143,14 @@ class SplitBackend:
         prefill_w.active_requests += 1
         decode_w.active_requests += 1
         decode_w.routed_blocks_since_poll += _blocks(n + 1, decode_w.block_size)
+        channel_queue = decode_w.tokens.subscribe(request_id)
         decode_call = decode_w.decode.Decode(
-            worker_pb2.DecodeRequest(request_id=request_id, kv_timeout_s=KV_TIMEOUT_S, prompt_token_ids=prompt),
+            worker_pb2.DecodeRequest(
+                request_id=request_id,
+                kv_timeout_s=KV_TIMEOUT_S,
+                prompt_token_ids=prompt,
+                token_channel=decode_w.tokens.channel_id if channel_queue is not None else "",
+            ),
             timeout=timeout,
         )
         state.calls.append(decode_call)
@@ -195,7 +201,7 @@ class SplitBackend:
                 timings.num_preemptions, timings.preempted_ns = worker.num_preemptions, worker.preempted_ns
                 return timings
 
-            events = token_events(decode_call, final)
+            events = token_events(decode_call, final, channel_queue)
             # until decode has the KV (its first event), the prefill call that pushes it holds the lease
             yield await first_while_leased(events, decode_call, prefill_call, prefill_w, self.pool)
             async for ev in events:
@@ -206,6 +212,7 @@ class SplitBackend:
             raise
         finally:
             decode_call.cancel()
+            decode_w.tokens.unsubscribe(request_id)
             if prefill_call is not None:
                 prefill_call.cancel()  # a push under way goes on (the prefill worker shields it)
             decode_w.active_requests -= 1

@@ -7,6 +7,7 @@ from functools import cached_property
 
 import grpc
 
+from pdserve.router.token_channel import TokenChannelClient
 from pdserve.rpc.auth import internal_channel
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -61,6 +62,17 @@ class WorkerHandle:
     @cached_property
     def admin(self) -> worker_pb2_grpc.WorkerServiceStub:
         return worker_pb2_grpc.WorkerServiceStub(self.channel)
+
+    @cached_property
+    def tokens(self) -> TokenChannelClient:
+        """This router's token channel on the worker (router/token_channel.py)."""
+        return TokenChannelClient(self.admin, self.address)
+
+    async def close(self) -> None:
+        """Close its token channel (when opened) and its gRPC channel."""
+        if "tokens" in self.__dict__:
+            await self.tokens.close()
+        await self.channel.close()
 
     def apply_stats(self, s: worker_pb2.WorkerStats) -> None:
         """Take an answered GetStats poll: healthy again, and its load as the worker reports it."""

@@ -37,7 +37,8 @@ class ColocatedWorker(worker_pb2_grpc.ColocatedServiceServicer):
         q = await admit_prompt(self.host, request, context)
         finished = False
         try:
-            async for batch in relay_tokens(q, context, self._timings):
+            side = self.host.channels.sender(request.token_channel, rid)
+            async for batch in relay_tokens(q, context, self._timings, side):
                 finished = batch.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
                 yield batch
         finally:

@@ -15,6 +15,7 @@ from pdserve.engine.scheduling.sequence import FinishReason, Sequence
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker.loop import EngineLoop
 from pdserve.worker.streams import RequestStreams, drain
+from pdserve.worker.token_channel import TokenChannels
 
 FINISH_TO_PROTO = {
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
@@ -68,16 +69,21 @@ def publish_step_error(streams: RequestStreams, err: StepError) -> None:
 
 
 async def relay_tokens(
-    q: asyncio.Queue, context: grpc.aio.ServicerContext, final_timings: Callable[[Sequence, int], generate_pb2.Timings]
+    q: asyncio.Queue,
+    context: grpc.aio.ServicerContext,
+    final_timings: Callable[[Sequence, int], generate_pb2.Timings],
+    side: Callable[[int, list[int]], bool] | None = None,
 ) -> AsyncIterator[worker_pb2.TokenBatch]:
     """Turn a request's events into TokenBatch messages until its last token.
 
     Tokens already queued are coalesced into one message. ``final_timings(seq, end_ns)`` fills the
     last message's timings, and the first message's with the phases known by then (queue, prefill,
     KV transfer; decode so far), so a client that stops reading early (a stop string matched by
-    the router) still has them. An ErrorEvent aborts the RPC with INTERNAL.
+    the router) still has them. An ErrorEvent aborts the RPC with INTERNAL. ``side`` (a token
+    channel's sender, worker/token_channel.py) takes the batches between the first and the last
+    when it can; each batch says the index of its first token (``first_index``).
     """
-    first = True
+    sent = 0  # tokens sent so far, on the call or the side channel
     while True:
         events = await drain(q)
         tokens = []
@@ -87,12 +93,17 @@ async def relay_tokens(
             tokens.append(ev.token)
             if ev.finish is not None:
                 yield worker_pb2.TokenBatch(
-                    token_ids=tokens, finish_reason=FINISH_TO_PROTO[ev.finish], timings=final_timings(ev.seq, ev.at_ns)
+                    token_ids=tokens,
+                    first_index=sent,
+                    finish_reason=FINISH_TO_PROTO[ev.finish],
+                    timings=final_timings(ev.seq, ev.at_ns),
                 )
                 return
-        last = events[-1]
-        yield worker_pb2.TokenBatch(token_ids=tokens, timings=final_timings(last.seq, last.at_ns) if first else None)
-        first = False
+        if not (sent and side is not None and side(sent, tokens)):
+            last = events[-1]
+            timings = final_timings(last.seq, last.at_ns) if not sent else None
+            yield worker_pb2.TokenBatch(token_ids=tokens, first_index=sent, timings=timings)
+        sent += len(tokens)
 
 
 class EngineHost:
@@ -112,6 +123,7 @@ class EngineHost:
         self.loop = EngineLoop(engine, on_outputs or self.publish, self._on_step_error)
         self.extra_stats = extra_stats
         self.streams: RequestStreams | None = None
+        self.channels = TokenChannels()
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that serves gRPC."""
@@ -129,7 +141,7 @@ class EngineHost:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """GetStats, Abort and SetRole for any role: ``worker.role`` is read at each call (a switchable
+    """GetStats, Abort, SetRole and TokenChannel for any role: ``worker.role`` is read at each call (a switchable
     worker's changes); ``worker.host.extra_stats()`` adds role-specific fields; SetRole calls
     ``worker.set_role(role)`` (returns the previous role; ValueError for an unknown one) and is
     FAILED_PRECONDITION on a worker without it."""
@@ -155,6 +167,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.SetRoleResponse(previous_role=previous, role=self.worker.role)
+
+    async def TokenChannel(self, request, context):
+        if not request.channel_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a token channel needs a channel_id")
+        channels = self.worker.host.channels
+        channel = channels.open(request.channel_id)
+        try:
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            channels.close(channel)
 
     async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
         seq = await asyncio.wrap_future(self.loop.submit(lambda e: e.abort(request.request_id)))

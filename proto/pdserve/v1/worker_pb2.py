@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x90\x01\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x13\n\x0bstep_offset\x18\x07 \x01(\r\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ekv_skip_tokens\x18\x05 \x01(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\x12\x12\n\nprefill_ns\x18\x04 \x01(\x04\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x05 \x01(\x04\x12.\n\rkv_push_error\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.KvPushError\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\",\n\x0bKvPushError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"+\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x0ePushKvResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"S\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x02 \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\"p\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\"v\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x11\n\x0fGetStatsRequest\"\xf8\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_awaiting_kv\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\n \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\x12\x17\n\x0fprefill_busy_ns\x18\r \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_busy_ns\x18\x0e \x01(\x04\x12\x12\n\nswitchable\x18\x0f \x01(\x08\"\x1e\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"6\n\x0fSetRoleResponse\x12\x15\n\rprevious_role\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x13WorkerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32V\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32\x8b\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x12;\n\x06PushKv\x12\x13.pdserve.v1.KvChunk\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x32V\n\x10\x43olocatedService\x12\x42\n\x08Generate\x12\x1c.pdserve.v1.ColocatedRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x32\xdf\x01\n\rWorkerService\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponse\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponseB\x84\x01\n\rio.pdserve.v1B\x0bWorkerProtoP\x01Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\xa2\x02\x03PDS\xaa\x02\nPdserve.V1\xca\x02\nPdserve\\V1\xea\x02\x0bPdserve::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x90\x01\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x13\n\x0bstep_offset\x18\x07 \x01(\r\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ekv_skip_tokens\x18\x05 \x01(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\x12\x12\n\nprefill_ns\x18\x04 \x01(\x04\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x05 \x01(\x04\x12.\n\rkv_push_error\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.KvPushError\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\",\n\x0bKvPushError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"+\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"(\n\x0ePushKvResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"j\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x02 \x01(\x02\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x15\n\rtoken_channel\x18\x04 \x01(\t\"\x87\x01\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ResolvedSampling\x12\x15\n\rtoken_channel\x18\x04 \x01(\t\"\x8b\x01\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x13\n\x0b\x66irst_index\x18\x04 \x01(\r\")\n\x13TokenChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\";\n\x0c\x43hannelBatch\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.ChannelTokens\"K\n\rChannelTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x11\n\x0fGetStatsRequest\"\xf8\x02\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_awaiting_kv\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\n \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x0b \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0c \x01(\x04\x12\x17\n\x0fprefill_busy_ns\x18\r \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_busy_ns\x18\x0e \x01(\x04\x12\x12\n\nswitchable\x18\x0f \x01(\x08\"\x1e\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"6\n\x0fSetRoleResponse\x12\x15\n\rprevious_role\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x13WorkerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32V\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32\x8b\x01\n\rDecodeService\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x12;\n\x06PushKv\x12\x13.pdserve.v1.KvChunk\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x32V\n\x10\x43olocatedService\x12\x42\n\x08Generate\x12\x1c.pdserve.v1.ColocatedRequest\x1a\x16.pdserve.v1.TokenBatch0\x01\x32\xac\x02\n\rWorkerService\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponse\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponse\x12K\n\x0cTokenChannel\x12\x1f.pdserve.v1.TokenChannelRequest\x1a\x18.pdserve.v1.ChannelBatch0\x01\x42\x84\x01\n\rio.pdserve.v1B\x0bWorkerProtoP\x01Z6github.com/pdserve/pdserve/gen/go/pdserve/v1;pdservev1\xa2\x02\x03PDS\xaa\x02\nPdserve.V1\xca\x02\nPdserve\\V1\xea\x02\x0bPdserve::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,29 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHKVRESPONSE']._serialized_start=700
   _globals['_PUSHKVRESPONSE']._serialized_end=740
   _globals['_DECODEREQUEST']._serialized_start=742
-  _globals['_DECODEREQUEST']._serialized_end=825
-  _globals['_COLOCATEDREQUEST']._serialized_start=827
-  _globals['_COLOCATEDREQUEST']._serialized_end=939
-  _globals['_TOKENBATCH']._serialized_start=941
-  _globals['_TOKENBATCH']._serialized_end=1059
-  _globals['_GETSTATSREQUEST']._serialized_start=1061
-  _globals['_GETSTATSREQUEST']._serialized_end=1078
-  _globals['_WORKERSTATS']._serialized_start=1081
-  _globals['_WORKERSTATS']._serialized_end=1457
-  _globals['_SETROLEREQUEST']._serialized_start=1459
-  _globals['_SETROLEREQUEST']._serialized_end=1489
-  _globals['_SETROLERESPONSE']._serialized_start=1491
-  _globals['_SETROLERESPONSE']._serialized_end=1545
-  _globals['_WORKERABORTREQUEST']._serialized_start=1547
-  _globals['_WORKERABORTREQUEST']._serialized_end=1587
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1589
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1627
-  _globals['_PREFILLSERVICE']._serialized_start=1629
-  _globals['_PREFILLSERVICE']._serialized_end=1715
-  _globals['_DECODESERVICE']._serialized_start=1718
-  _globals['_DECODESERVICE']._serialized_end=1857
-  _globals['_COLOCATEDSERVICE']._serialized_start=1859
-  _globals['_COLOCATEDSERVICE']._serialized_end=1945
-  _globals['_WORKERSERVICE']._serialized_start=1948
-  _globals['_WORKERSERVICE']._serialized_end=2171
+  _globals['_DECODEREQUEST']._serialized_end=848
+  _globals['_COLOCATEDREQUEST']._serialized_start=851
+  _globals['_COLOCATEDREQUEST']._serialized_end=986
+  _globals['_TOKENBATCH']._serialized_start=989
+  _globals['_TOKENBATCH']._serialized_end=1128
+  _globals['_TOKENCHANNELREQUEST']._serialized_start=1130
+  _globals['_TOKENCHANNELREQUEST']._serialized_end=1171
+  _globals['_CHANNELBATCH']._serialized_start=1173
+  _globals['_CHANNELBATCH']._serialized_end=1232
+  _globals['_CHANNELTOKENS']._serialized_start=1234
+  _globals['_CHANNELTOKENS']._serialized_end=1309
+  _globals['_GETSTATSREQUEST']._serialized_start=1311
+  _globals['_GETSTATSREQUEST']._serialized_end=1328
+  _globals['_WORKERSTATS']._serialized_start=1331
+  _globals['_WORKERSTATS']._serialized_end=1707
+  _globals['_SETROLEREQUEST']._serialized_start=1709
+  _globals['_SETROLEREQUEST']._serialized_end=1739
+  _globals['_SETROLERESPONSE']._serialized_start=1741
+  _globals['_SETROLERESPONSE']._serialized_end=1795
+  _globals['_WORKERABORTREQUEST']._serialized_start=1797
+  _globals['_WORKERABORTREQUEST']._serialized_end=1837
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1839
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1877
+  _globals['_PREFILLSERVICE']._serialized_start=1879
+  _globals['_PREFILLSERVICE']._serialized_end=1965
+  _globals['_DECODESERVICE']._serialized_start=1968
+  _globals['_DECODESERVICE']._serialized_end=2107
+  _globals['_COLOCATEDSERVICE']._serialized_start=2109
+  _globals['_COLOCATEDSERVICE']._serialized_end=2195
+  _globals['_WORKERSERVICE']._serialized_start=2198
+  _globals['_WORKERSERVICE']._serialized_end=2498
 # @@protoc_insertion_point(module_scope)

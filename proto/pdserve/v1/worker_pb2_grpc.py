@@ -325,6 +325,11 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.TokenChannel = channel.unary_stream(
+                '/pdserve.v1.WorkerService/TokenChannel',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.TokenChannelRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ChannelBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -353,6 +358,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenChannel(self, request, context):
+        """The tokens between the first and last batch of every request that names this channel, one
+        message a step (one gRPC message a step instead of one a request and step). INVALID_ARGUMENT
+        without a channel_id. Ends when the router cancels it or another stream opens the same id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +384,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'TokenChannel': grpc.unary_stream_rpc_method_handler(
+                    servicer.TokenChannel,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenChannelRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ChannelBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -454,6 +473,33 @@ class WorkerService:
             '/pdserve.v1.WorkerService/SetRole',
             pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/TokenChannel',
+            pdserve_dot_v1_dot_worker__pb2.TokenChannelRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ChannelBatch.FromString,
             options,
             channel_credentials,
             insecure,
