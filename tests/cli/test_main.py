@@ -22,6 +22,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_ports() -> tuple[int, int]:
+    """Two different free ports (two calls of _free_port may give the same one)."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        return a.getsockname()[1], b.getsockname()[1]
+
+
 def test_help_lists_commands():
     out = subprocess.run(PDSERVE + ["--help"], capture_output=True, text=True, check=True).stdout
     for command in ("serve", "generate", "demo"):
@@ -56,7 +64,7 @@ def test_serve_says_when_it_made_the_cluster_secret(monkeypatch):
 
 
 def test_serve_generate_and_ctrl_c():
-    port, http_port = _free_port(), _free_port()
+    port, http_port = _free_ports()
     model = ["--model", str(STORIES)] if (STORIES / "model.safetensors").is_file() else []
     serve = subprocess.Popen(
         PDSERVE + ["serve", "--placement", "colocated", "--port", str(port), "--http-port", str(http_port), *model],

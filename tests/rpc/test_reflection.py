@@ -84,6 +84,7 @@ async def test_both_versions_describe_a_served_service(served, path):
         "GetStats": ".pdserve.v1.GetStatsRequest",
         "Abort": ".pdserve.v1.WorkerAbortRequest",
         "SetRole": ".pdserve.v1.SetRoleRequest",
+        "TokenChannel": ".pdserve.v1.TokenChannelRequest",
     }
 
 
@@ -148,7 +149,7 @@ async def test_grpcio_reflection_client_reads_the_services_and_their_methods(ser
     services, methods = await asyncio.wait_for(asyncio.to_thread(read), WAIT_S)
     assert services == EXPECTED
     assert methods == {
-        "pdserve.v1.WorkerService": ["GetStats", "Abort", "SetRole"],
+        "pdserve.v1.WorkerService": ["GetStats", "Abort", "SetRole", "TokenChannel"],
         "pdserve.v1.PrefillService": ["Prefill"],
     }
 
