@@ -56,8 +56,11 @@ def resolve_model_dir(model: str | None) -> Path:
 def weights_hash(folder: Path, cache_dir: str | Path | None = None) -> str:
     """sha256 hex over the folder's weight files (names and bytes, in name order), computed once
     per file set: cached under ``$PDSERVE_CACHE_DIR/weights-hash`` by path, size and mtime (model
-    folders may be read-only)."""
+    folders may be read-only). Safe for workers that start side by side: the cached digest is
+    written atomically and a malformed one is recomputed."""
     import hashlib
+    import os
+    import threading
 
     from pdserve.engine.models.embedded import default_cache_dir
 
@@ -65,7 +68,9 @@ def weights_hash(folder: Path, cache_dir: str | Path | None = None) -> str:
     key = hashlib.sha256(repr([(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode())
     cached = Path(cache_dir or default_cache_dir()) / "weights-hash" / key.hexdigest()[:32]
     if cached.is_file():
-        return cached.read_text().strip()
+        text = cached.read_text().strip()
+        if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
+            return text
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
@@ -75,7 +80,9 @@ def weights_hash(folder: Path, cache_dir: str | Path | None = None) -> str:
     digest = h.hexdigest()
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(digest)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, cached)  # atomic: a worker starting beside this one never reads a half-written digest
     except OSError:
         pass  # a read-only cache only costs the next start the hashing
     return digest
