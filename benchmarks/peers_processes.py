@@ -128,3 +128,37 @@ class OtherLoad:
         other = (_cpu_busy_s() - self.busy) - (_own_children_cpu_s() - self.own)
         self.cores = max(0.0, other / wall) if wall > 0 else math.nan
         return False
+
+
+def _process_kind(pid: str) -> str:
+    """A name for what process ``pid`` is: a Ray actor's class (``ray::RouterActor``), "ray services"
+    for Ray's own daemons, the module a ``python -m`` runs, else the command name."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    argv = [a.decode(errors="replace") for a in argv if a]
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    if argv and argv[0].startswith("ray::") and not argv[0].split()[0].endswith("Agent"):
+        return argv[0].split()[0]
+    if argv and argv[0].startswith("ray::") or comm in ("gcs_server", "raylet") or any("/ray/" in a for a in argv[:3]):
+        return "ray services"
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    return comm
+
+
+def session_cpu_s(sid: int) -> dict[str, float]:
+    """CPU seconds (user + system, clock-tick resolution) each live process of session ``sid`` has
+    used since it started, summed by :func:`_process_kind`. A server started by :func:`spawn` leads
+    its own session, so ``sid`` is its pid and every process it starts (Ray's included) is counted."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid:  # after the command name: state ppid pgrp session ...
+                continue
+            kind = _process_kind(d.name)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from peers_env import pdserve_env, vllm_env
 from peers_metrics import w2_metrics
-from peers_processes import OtherLoad, busy_cores, run_logged, stop, stop_all, tail
+from peers_processes import OtherLoad, busy_cores, run_logged, session_cpu_s, stop, stop_all, tail
 from peers_servers import WORKERS, bench_pdserve, bench_vllm, start_server, vllm_schedule
 
 from pdserve.loadgen.metrics import SLO
@@ -109,6 +109,7 @@ def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict
             for i, rate in enumerate(args.rates):
                 run_dir = out / "w2" / system / f"rate_{rate:g}"
                 busy_before = busy_cores()  # the server idles now: this is everything else on the machine
+                cpu_before = session_cpu_s(proc.pid)
                 try:
                     if system == "vllm":
                         records, duration, reported = bench_vllm(args, model_dir, port, rate, run_dir, vllm_py)
@@ -120,6 +121,7 @@ def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict
                     continue
                 m = per["rates"][f"{rate:g}"] = w2_metrics(records, duration, slo)
                 m["busy_cores_before"], m["client_reported"] = busy_before, reported  # the client's own figures
+                m["cpu_ms_per_output_token"] = cpu_per_token(cpu_before, session_cpu_s(proc.pid), records)
                 planned = vllm_schedule(rate, args.num_requests, args.seed)
                 if args.schedule == "shared" or system == "vllm":  # how far the sends were from the shared plan
                     sent = sorted(r.sent_s for r in records)
@@ -137,6 +139,20 @@ def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict
                     f"failed {m['failed']}",
                     flush=True,
                 )
+                cpu = m["cpu_ms_per_output_token"]
+                by_kind = ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+                print(f"    server CPU ms per output token: {by_kind}", flush=True)
         finally:
             stop(proc)
     return results
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], records) -> dict[str, float]:
+    """CPU milliseconds per output token that the server's processes used over one rate's run, by
+    kind (largest first), then their total; ``before`` / ``after`` are :func:`session_cpu_s`
+    snapshots (a process that ended meanwhile is not counted). The load generator is left out: its
+    process's figure would mostly be its start-up (``vllm bench serve`` imports vLLM)."""
+    tokens = sum(r.output_tokens for r in records if r.ok) or 1
+    per = {k: (after[k] - before.get(k, 0.0)) * 1e3 / tokens for k in after}
+    per = dict(sorted(((k, v) for k, v in per.items() if v > 0), key=lambda kv: -kv[1]))
+    return {**per, "total": sum(per.values())}
