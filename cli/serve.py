@@ -50,6 +50,7 @@ def _cluster_config(args):
             else os.environ.get(API_KEY_ENV)
         ),
         max_requests_per_worker=getattr(args, "max_requests_per_worker", 0),
+        stream_interval=getattr(args, "stream_interval", 1),
         prefill_resource=args.prefill_resource,
         decode_resource=args.decode_resource,
         tls=_tls_files(args),
@@ -254,5 +255,13 @@ def add_serve_parser(sub) -> None:
         default=512,
         help="refuse new requests (RESOURCE_EXHAUSTED / HTTP 429, retry hint 1 s) when every decode "
         "worker holds this many; 0 = no bound",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed message to a client, gRPC and HTTP (default 1: every token at once); "
+        "the first token and the end are never held back. Larger values cost the router and the client "
+        "less CPU per token and make the inter-token latency burstier",
     )
     p.set_defaults(func=cmd_serve)

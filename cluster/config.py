@@ -63,6 +63,7 @@ class ClusterConfig:
     model_name: str | None = None
     api_keys: tuple[str, ...] = ()
     max_requests_per_worker: int = 0
+    stream_interval: int = 1  # tokens per streamed message to a client (the first and the last go at once)
     tls: tuple[str, str] | None = None  # (certificate chain, private key) PEM files for the client-facing APIs
     ray_address: str | None = None
     device: str | None = None
@@ -96,6 +97,8 @@ class ClusterConfig:
             raise ValueError(f"slo_ttft_ms and slo_tpot_ms must be > 0, got {self.slo_ttft_ms}, {self.slo_tpot_ms}")
         if self.cpus_per_worker < 1:
             raise ValueError("cpus_per_worker must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu, cuda or None (auto), got {self.device!r}")
         if self.routing not in ("prefix-aware", "least-loaded"):

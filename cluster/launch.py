@@ -225,6 +225,7 @@ def start_cluster(cfg: ClusterConfig) -> Cluster:
                 model_name=model_name,
                 api_keys=cfg.api_keys,
                 max_requests_per_worker=cfg.max_requests_per_worker,
+                stream_interval=cfg.stream_interval,
                 tls=cfg.tls,
                 routing=cfg.routing,
                 local_prefill_tokens=cfg.local_prefill_tokens,

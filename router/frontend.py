@@ -63,6 +63,10 @@ class Frontend:
     ``RoleBalancer()``) decides; it runs after each stats poll.
     ``stall_warn_s``: seconds a stream may go without a token (its first included) before
     ``watch_stalls`` logs it and counts it in ``pdserve:stream_stalls_total``.
+    ``stream_interval``: tokens per streamed chunk (as vLLM's and SGLang's ``--stream-interval``):
+    a stream's first token goes at once, then a chunk every ``stream_interval`` tokens, and what is
+    left goes before the stream's end or error. 1 (the default): a chunk for every token batch.
+    ValueError when below 1.
     """
 
     def __init__(
@@ -76,7 +80,11 @@ class Frontend:
         local_prefill: LocalPrefill | None = None,
         role_balancer: RoleBalancer | None = None,
         stall_warn_s: float = STALL_WARN_S,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.tokenizer = Tokenizer.from_folder(model_dir)
@@ -177,6 +185,7 @@ class Frontend:
         usage = PB.Usage(prompt_tokens=len(req.prompt_token_ids))
         finish, timings, last_ns, first_ns = PB.FINISH_REASON_UNSPECIFIED, PB.Timings(), None, None
         timings_ns = None  # when the latest timings arrived, while they are not the worker's final ones
+        held = PB.Chunk()  # tokens and text not streamed yet (stream_interval)
         events = self.backend.stream(req, state, t0, timeout)
         try:
             async for ev in events:
@@ -192,8 +201,11 @@ class Frontend:
                 usage.completion_tokens += len(ev.token_ids)
                 if ev.timings is not None:  # phases known so far survive a stop string's early end
                     timings, timings_ns = ev.timings, (None if ev.finish else now)
-                text = detok.add(ev.token_ids)
-                yield PB.GenerateResponse(chunk=PB.Chunk(token_ids=ev.token_ids, text=text, usage=usage))
+                held.token_ids.extend(ev.token_ids)
+                held.text += detok.add(ev.token_ids)
+                first = usage.completion_tokens == len(held.token_ids)
+                if first or ev.finish or detok.stopped or len(held.token_ids) >= self.stream_interval:
+                    yield _release(held, usage)
                 if detok.stopped:
                     finish = PB.FINISH_REASON_STOP
                     break
@@ -209,6 +221,8 @@ class Frontend:
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if state.shutting_down:
                 self.metrics.finished(PB.FINISH_REASON_ERROR, t0, None)
+                if held.token_ids:
+                    yield _release(held, usage)
                 yield PB.GenerateResponse(error=PB.Error(code="UNAVAILABLE", message=SHUTDOWN_MESSAGE, usage=usage))
                 return
             if not state.aborted:
@@ -220,6 +234,8 @@ class Frontend:
                 self.metrics.finished(PB.FINISH_REASON_ERROR, t0, None)
                 if last_ns is None:
                     raise RequestRejected(exc.code(), message) from None
+                if held.token_ids:
+                    yield _release(held, usage)
                 yield PB.GenerateResponse(error=PB.Error(code=exc.code().name, message=message, usage=usage))
                 return
             finish = PB.FINISH_REASON_ABORT
@@ -237,6 +253,8 @@ class Frontend:
         if self.rebalancer is not None and first_ns is not None and finish != PB.FINISH_REASON_ABORT:
             n = usage.completion_tokens
             self.rebalancer.observe_request(first_ns - t0, (last_ns - first_ns) / (n - 1) if n > 1 else None)
+        if held.token_ids:  # an abort's last tokens
+            yield _release(held, usage)
         yield PB.GenerateResponse(
             complete=PB.Complete(
                 finish_reason=finish, usage=usage, text=rest, timings=timings, request_id=req.request_id
@@ -258,3 +276,10 @@ class Frontend:
             return False
         state.abort()
         return True
+
+
+def _release(held: PB.Chunk, usage: PB.Usage) -> PB.GenerateResponse:
+    """The held tokens and text as one chunk with the usage so far; ``held`` is emptied."""
+    msg = PB.GenerateResponse(chunk=PB.Chunk(token_ids=held.token_ids, text=held.text, usage=usage))
+    held.Clear()
+    return msg

@@ -147,6 +147,7 @@ async def serve(
     model_name: str | None = None,
     api_keys: tuple[str, ...] = (),
     max_requests_per_worker: int = 0,
+    stream_interval: int = 1,
     tls: tuple[str, str] | None = None,
     routing: str = "prefix-aware",
     local_prefill_tokens: int = 0,
@@ -163,7 +164,8 @@ async def serve(
     UNAUTHENTICATED / HTTP 401, counted in ``pdserve:requests_rejected_total``); health,
     reflection and /metrics stay open.
     ``max_requests_per_worker``: past it on every decode (colocated) worker, RESOURCE_EXHAUSTED
-    (HTTP 429 with Retry-After); 0: no bound. ``tls``: (certificate chain file, private key file,
+    (HTTP 429 with Retry-After); 0: no bound. ``stream_interval``: tokens per streamed message to a
+    client (``Frontend``). ``tls``: (certificate chain file, private key file,
     both PEM) to serve both client-facing APIs over TLS (gRPC over TLS, HTTPS); internal calls stay
     on the cluster's own channels. OSError when a file cannot be read.
     ``routing``: ``prefix-aware`` or ``least-loaded`` (``WorkerPool``); ``local_prefill_tokens``
@@ -194,6 +196,7 @@ async def serve(
         api_keys=tuple(api_keys),
         model_name=model_name,
         local_prefill=local_prefill,
+        stream_interval=stream_interval,
         role_balancer=RoleBalancer(
             slo_ttft_s=slo_ttft_ms / 1e3 if slo_ttft_ms else None, slo_tpot_s=slo_tpot_ms / 1e3 if slo_tpot_ms else None
         ),

@@ -57,6 +57,7 @@ async def local_pipeline(
     routing: str = "prefix-aware",
     local_prefill_tokens: int = 0,
     num_prefill: int = 1,
+    stream_interval: int = 1,
     **engine_kw,
 ):
     """Workers and router on loopback; ``dtype`` defaults to the exact float32 path the reference tests need.
@@ -92,6 +93,7 @@ async def local_pipeline(
             max_requests_per_worker=max_requests_per_worker,
             tls=tls,
             routing=routing,
+            stream_interval=stream_interval,
             local_prefill_tokens=local_prefill_tokens,
         )
     else:
@@ -105,6 +107,7 @@ async def local_pipeline(
             max_requests_per_worker=max_requests_per_worker,
             tls=tls,
             routing=routing,
+            stream_interval=stream_interval,
         )
     try:
         yield Pipeline(r.address, workers, r)
