@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-vllm", action="store_true", help="pdserve (and transformers) only")
     p.add_argument(
+        "--stream-interval",
+        type=_positive(int),
+        default=1,
+        help="W2: tokens per streamed message, the same flag on both servers (default 1: every token)",
+    )
+    p.add_argument(
         "--pdserve-placements",
         type=_csv(str),
         default="split,colocated,auto",

@@ -60,6 +60,8 @@ def start_server(system: str, args, model_dir: Path, out: Path, vllm_py: Path | 
             "--no-enable-prefix-caching",
             "--seed",
             "0",
+            "--stream-interval",
+            str(args.stream_interval),
         ]
         proc = spawn(cmd, log, vllm_env(args))
         wait_ready(proc, log, args.start_timeout, lambda: http_ok(f"http://127.0.0.1:{port}/health"))
@@ -87,6 +89,8 @@ def start_server(system: str, args, model_dir: Path, out: Path, vllm_py: Path | 
             "--no-prefix-caching",  # as vLLM: every rate sends the same prompts to this one server
             "--http-port",
             "0",
+            "--stream-interval",
+            str(args.stream_interval),
         ]  # the gRPC client drives it
         proc = spawn(cmd, log, pdserve_env())
         wait_ready(proc, log, args.start_timeout, lambda: b"serving on" in log.read_bytes()[offset:])
