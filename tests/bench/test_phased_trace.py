@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from pdserve.loadgen.azure import read_azure_trace
+from tests.bench._scripts import load_script
 
-_path = Path(__file__).resolve().parents[2] / "benchmarks" / "phased_trace.py"  # a script's module
-_spec = importlib.util.spec_from_file_location("phased_trace", _path)
-T = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(T)
+T = load_script("phased_trace")
 PHASES, phased_trace, write_phased_trace = T.PHASES, T.phased_trace, T.write_phased_trace
 
 

@@ -4,25 +4,13 @@ benchmark itself is never run here."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.bench._scripts import load_script
 
-def _figures():
-    """benchmarks/plan_accuracy_figures.py (a script's module, not part of the package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_accuracy_figures.py"
-    spec = importlib.util.spec_from_file_location("plan_accuracy_figures", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-F = _figures()
+F = load_script("plan_accuracy_figures")
 
 
 def test_placements_parse_to_serve_flags():

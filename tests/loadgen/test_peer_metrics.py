@@ -3,22 +3,14 @@ definitions."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pdserve.loadgen.metrics import SLO, summarize
+from tests.bench._scripts import load_script
 
 
 def _peers_metrics():
-    """benchmarks/peers_metrics.py (a script's module, not part of the package)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "peers_metrics.py"
-    spec = importlib.util.spec_from_file_location("peers_metrics", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("peers_metrics")
 
 
 def test_peer_benchmark_reads_vllm_results_with_the_same_definitions():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,17 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench._scripts import load_script
+
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\ntime.sleep(30)\n"
 
 
 def _peers_processes():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "peers_processes.py"
-    spec = importlib.util.spec_from_file_location("peers_processes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("peers_processes")
 
 
 def test_a_session_leader_and_its_children_are_counted_by_kind(tmp_path):

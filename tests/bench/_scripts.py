@@ -1,0 +1,20 @@
+"""The scripts under benchmarks/ are not part of the package: tests load them by file name."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_script(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (registered in ``sys.modules``: dataclasses look their
+    module up there)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
