@@ -136,9 +136,10 @@ def _process_kind(pid: str) -> str:
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     argv = [a.decode(errors="replace") for a in argv if a]
     comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    if argv and argv[0].startswith("ray::") and not argv[0].split()[0].endswith("Agent"):
-        return argv[0].split()[0]
-    if argv and argv[0].startswith("ray::") or comm in ("gcs_server", "raylet") or any("/ray/" in a for a in argv[:3]):
+    name = argv[0].split()[0] if argv else ""
+    if name.startswith("ray::") and not name.endswith("Agent"):
+        return name
+    if name.startswith("ray::") or comm in ("gcs_server", "raylet") or any("/ray/" in a for a in argv[:3]):
         return "ray services"
     if "-m" in argv[:-1]:
         return argv[argv.index("-m") + 1]

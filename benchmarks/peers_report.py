@@ -128,7 +128,7 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
     if w2 is not None:
         parts += [
             f"## W2 serving: {args.input_len} in / {args.output_len} out, Poisson, {args.num_requests} "
-            f"requests per rate, {args.serve_dtype}, stream interval {getattr(args, 'stream_interval', 1)}; "
+            f"requests per rate, {args.serve_dtype}, stream interval {args.stream_interval}; "
             f"SLO TTFT <= {args.slo_ttft_ms:g} ms, "
             f"TPOT <= {args.slo_tpot_ms:g} ms",
             "",

@@ -1,11 +1,11 @@
 """Token channels: one stream a router holds open on a worker for the middle tokens of its requests.
 
-Every gRPC message costs about 70 µs of CPU between its sender and its receiver (measured with
-grpc.aio on loopback), and a decode step at batch B used to send B of them, one on each request's
-call. A request that names a channel (``token_channel`` in DecodeRequest and ColocatedRequest) has
-its first and last TokenBatch on its own call, as before (the first carries the phases known then,
-the last the finish reason and timings, and errors end the call as before); the batches in between
-go on the channel, every request of a step in one ChannelBatch. Each batch gives the index of its
+Every gRPC message costs tens of microseconds of CPU at each end (``benchmarks/grpc_stream_cost.py``),
+so a step sends one message for all of a router's requests rather than one per request. A request
+that names a channel (``token_channel`` in DecodeRequest and ColocatedRequest) has its first and
+last TokenBatch on its own call (the first carries the phases known then, the last the finish
+reason and timings; errors end the call); the batches in between go on the channel, every request
+of a step in one ChannelBatch. Each batch gives the index of its
 first token among the call's tokens, so the router puts the two paths back in order
 (``router/token_channel.py``). This is the shape of vLLM's and SGLang's engine outputs: one message
 a step for all requests, split per request by the front end.
