@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pdserve.router.validation import TOP_K_ALLOWED
 from pdserve.v1 import generate_pb2
 
 PB = generate_pb2
@@ -231,7 +232,7 @@ def parse(model: type[_Common], body: bytes | str) -> _Common:
 
 
 # what a bounded field allows, where it says more than its schema bound
-_ALLOWED = {"top_k": ">= -1 (-1 or 0 disables)"}
+_ALLOWED = {"top_k": TOP_K_ALLOWED}
 
 
 def _field_error(param: str | None, err: dict) -> str:

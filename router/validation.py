@@ -18,6 +18,7 @@ from pdserve.v1 import generate_pb2, worker_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # per stop string: text that may become one is held back, and matched on every chunk
 MAX_REQUEST_ID_CHARS = 256  # request ids travel in every worker call, log line and abort
+TOP_K_ALLOWED = ">= -1 (-1 or 0 disables)"  # top_k as every client API takes it, vLLM's -1 included
 
 
 class InvalidRequest(ValueError):
@@ -90,7 +91,8 @@ def validate(
     names: Mapping[str, str] | None = None,
 ) -> ValidatedRequest:
     """Tokenize and resolve defaults: a sampling field left unset takes ``defaults`` (the model's
-    generation_config.json, see ``sampling_defaults``), else temperature 1, top_p 1, top_k 0.
+    generation_config.json, see ``sampling_defaults``), else temperature 1, top_p 1, top_k 0; a
+    top_k of -1 disables top-k as 0 does (vLLM's convention), and the resolved sampling carries 0.
     ``names``: what the client called a GenerateRequest field where it differs (the HTTP API's
     ``max_completion_tokens`` for ``max_tokens``, ``messages`` for ``prompt``); errors name those.
     Raises InvalidRequest listing every problem found, its ``param`` the first one's field."""
@@ -146,14 +148,14 @@ def validate(
     temperature = s.temperature if s.HasField("temperature") else float(defaults.get("temperature", 1.0))
     top_p = s.top_p if s.HasField("top_p") else float(defaults.get("top_p", 1.0))
     top_k = s.top_k if s.HasField("top_k") else int(defaults.get("top_k", 0))
-    top_k = 0 if top_k == -1 else top_k  # -1 disables too, as in vLLM and the HTTP API
     nan = [field for field, value in (("temperature", temperature), ("top_p", top_p)) if math.isnan(value)]
     errors += [(name(field), f"{name(field)} must be a number, got NaN") for field in nan]
-    errors += [
-        (name(field), f"{name(field)} {what}")
-        for field, what in sampling_field_errors(temperature, top_p, top_k, max_tokens)
-        if field not in nan
-    ]
+    field_errors = sampling_field_errors(temperature, top_p, max(top_k, 0), max_tokens)
+    if top_k < -1:  # the engine takes only 0 for "disabled"; a client may also send -1 (vLLM's)
+        at = len([field for field, _ in field_errors if field != "max_tokens"])
+        field_errors.insert(at, ("top_k", f"must be {TOP_K_ALLOWED}, got {top_k}"))
+    errors += [(name(field), f"{name(field)} {what}") for field, what in field_errors if field not in nan]
+    top_k = max(top_k, 0)
     stop = list(req.stop)
     if len(stop) > MAX_STOP_STRINGS:
         errors.append((name("stop"), f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}"))

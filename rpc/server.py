@@ -1,4 +1,5 @@
-"""gRPC plumbing shared by every server: channel options, start-up with health checking and reflection."""
+"""gRPC plumbing shared by every server: channel options, start-up with health checking, reflection
+and the refusal of request bytes that do not parse."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.rpc import reflection_v1
+from pdserve.rpc.request_bytes import RefuseUndecodable
 
 # Large enough for KV chunks and long prompts; KV chunks stay <= 1 MiB by default anyway.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -55,7 +57,8 @@ async def start_server(
     tls: tuple[bytes, bytes] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a ``grpc.aio`` server with the given servicers plus health checking and reflection
-    (v1 and v1alpha), which list exactly the services this server serves.
+    (v1 and v1alpha), which list exactly the services this server serves. A request whose bytes do
+    not parse as its method's message ends with INVALID_ARGUMENT (``rpc/request_bytes.py``).
 
     register: (add_XServicer_to_server, servicer, full service name) triples. Every service is
     reported SERVING; pass ``health_servicer`` to change that later (the router reports
@@ -64,6 +67,7 @@ async def start_server(
     PEM private key) to serve TLS instead of plaintext. Returns the server and the bound port
     (``port=0`` picks a free one). Raises RuntimeError when the port cannot be bound.
     """
+    interceptors = [*(interceptors or ()), RefuseUndecodable()]
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     names = [reflection_v1.SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME]
     health_servicer = health_servicer or health.aio.HealthServicer()

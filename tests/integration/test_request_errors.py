@@ -18,7 +18,7 @@ BAD_REQUESTS = [
     (make_request("hello", temperature=float("nan")), "NaN"),
     (make_request("hello", top_p=0.0), "top_p must be in (0, 1]"),
     (make_request("hello", top_p=1.5), "top_p must be in (0, 1]"),
-    (make_request("hello", top_k=-3), "top_k must be >= 0"),
+    (make_request("hello", top_k=-3), "top_k must be >= -1 (-1 or 0 disables), got -3"),
     (make_request("hello", max_tokens=5000), "exceeds the context window"),
     (make_request("word " * 3000), "context window"),
     (make_request("", prompt_token_ids=[5, 10**6]), "out of range"),

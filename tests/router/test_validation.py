@@ -66,7 +66,7 @@ def _refusal(tok, names=None, max_model_len=2048, **fields) -> InvalidRequest:
         (dict(temperature=float("nan")), "temperature", "temperature must be a number, got NaN"),
         (dict(top_p=0.0), "top_p", "top_p must be in (0, 1]"),
         (dict(top_p=float("nan")), "top_p", "top_p must be a number, got NaN"),
-        (dict(top_k=-3), "top_k", "top_k must be >= 0"),
+        (dict(top_k=-3), "top_k", "top_k must be >= -1 (-1 or 0 disables), got -3"),
         (dict(max_tokens=5000), "max_tokens", "exceeds the context window"),
         (dict(prompt=""), "prompt", "prompt is empty"),
         (dict(prompt="", prompt_token_ids=[5, 10**6]), "prompt_token_ids", "out of range"),
@@ -147,5 +147,10 @@ def test_stop_strings_have_a_length_limit(embedded_dir):
 
 def test_top_k_minus_one_disables_top_k_as_over_http(embedded_dir):
     tok = Tokenizer.from_folder(embedded_dir)
-    req = PB.GenerateRequest(prompt="hi", sampling=PB.SamplingParams(top_k=-1))
-    assert validate(req, tok, 2048, tok.vocab_size).sampling.top_k == 0
+    for top_k in (-1, 0):
+        req = PB.GenerateRequest(prompt="hi", sampling=PB.SamplingParams(top_k=top_k))
+        assert validate(req, tok, 2048, tok.vocab_size).sampling.top_k == 0
+    assert validate(PB.GenerateRequest(prompt="hi"), tok, 2048, tok.vocab_size, {"top_k": -1}).sampling.top_k == 0
+    both = _refusal(tok, top_k=-2, max_tokens=0)  # the field order of the message: top_k before max_tokens
+    assert str(both) == "top_k must be >= -1 (-1 or 0 disables), got -2; max_tokens must be >= 1, got 0"
+    assert both.param == "top_k"
