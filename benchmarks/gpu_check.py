@@ -150,7 +150,7 @@ def check_split(folder, prompts, refs, max_tokens: int = 24) -> bool:
                     if isinstance(event, KvStreamHead):
                         seq = decode.reserve_kv(event)
                     elif isinstance(event, LayerKv):
-                        write_layer(decode.runner.kv_cache[event.layer], seq.block_table, event.start, event.kv)
+                        write_layer(decode.runner.layer_caches[event.layer], seq.block_table, event.start, event.kv)
                     else:
                         assert isinstance(event, KvStreamEnd)
                         seqs.append(decode.admit_reserved(seq, event.first_token))

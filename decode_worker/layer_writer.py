@@ -44,7 +44,9 @@ class LayerWriter:
         if fut is None or fut.done():
             return False
         if isinstance(event, LayerKv):
-            write_layer(w.engine.runner.kv_cache[event.layer], self.seq.block_table, event.start, event.kv)
+            runner = w.engine.runner
+            table = self.seq.block_tables[runner.kv_groups.group_of[event.layer]]
+            write_layer(runner.layer_caches[event.layer], table, event.start, event.kv)
             self.nbytes += event.kv.nbytes
             w.kv_buffers.give(event.kv)
             return True

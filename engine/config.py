@@ -8,12 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.models.gemma_config import family_fields
-from pdserve.engine.models.registry import (
-    SUPPORTED_ARCHITECTURES,  # noqa: F401  (its former home)
-    Family,
-    architecture_of,
-    family,
-)
+from pdserve.engine.models.registry import Family, architecture_of, family
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 # a prefill worker's KV hand-off: one frame after the prefill, or each layer while it runs (layer_stream.py)
@@ -240,10 +235,11 @@ def for_role(cfg: EngineConfig, role: str) -> EngineConfig:
 class EngineConfig:
     """Engine settings shared by every role.
 
-    ``num_kv_blocks``: the paged KV cache's size in blocks of ``block_size`` tokens (None: from
-    ``kv_cache_gib``, GiB). ``max_num_batched_tokens``: the token budget of one step (with
-    ``enable_chunked_prefill`` prompts are cut into chunks to fit it beside the decoding sequences;
-    without, it bounds a batch of whole prompts); ``max_num_seqs`` bounds the sequences of a step.
+    ``num_kv_blocks``: the paged KV cache's size in blocks of ``block_size`` tokens of every layer
+    (None: from ``kv_cache_gib``, GiB; a hybrid model's pool counts ``kv_pool_blocks``' group blocks).
+    ``max_num_batched_tokens``: the token budget of one step (with ``enable_chunked_prefill`` prompts
+    are cut into chunks to fit it beside the decoding sequences; without, it bounds a batch of whole
+    prompts); ``max_num_seqs`` bounds the sequences of a step.
     ``enable_prefix_caching`` keeps full KV blocks for later requests with the same prefix.
     ``torch_threads`` (CPU only): ``torch.set_num_threads`` for the worker process.
     ``quantization`` / ``lm_head_quantization`` ("none", "int8" or "int4"): the decoder layers'

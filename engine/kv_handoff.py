@@ -74,8 +74,8 @@ class KvHandoff:
         """
         sampling = SamplingParams.from_dict(payload.sampling)
         self.check_request(payload.token_ids, sampling)
-        rid, k = payload.request_id, payload.kv_start
-        kb = k // self.cfg.block_size
+        rid, k, bs = payload.request_id, payload.kv_start, self.cfg.block_size
+        kb = k // bs
         held = self._pinned.get(rid)
         dropped = 0 < k <= self.blocks.window_start(len(payload.token_ids))
         if dropped and list(payload.prefix_hashes) != prefix_hashes(payload.token_ids[:k], self.cfg.block_size):
@@ -87,14 +87,16 @@ class KvHandoff:
                 held is None
                 or held.token_ids[:k] != list(payload.token_ids[:k])
                 or held.block_hashes[:kb] != list(payload.prefix_hashes)
-                or len(held.block_table) < kb
+                or any(len(t) < kb for t in held.block_tables)
             )
         ):
             raise ValueError(
                 f"request {rid}: its KV starts at position {k}, but this worker holds no such prefix for it"
             )
         seq = Sequence.new(rid, payload.token_ids, sampling, self.eos_token_ids)
-        need = self.blocks.blocks_for(seq.num_tokens + 1) - kb  # the prompt and the first token
+        # the prompt and the first token, in every KV cache group; a window group's from its window on
+        n, bm = seq.num_tokens, self.blocks
+        need = sum(bm.blocks_for(n + 1) - max(kb, bm.group_window_start(g, n) // bs) for g in range(bm.num_groups))
         if preempt:
             self.scheduler.preempt_for(need)
         if need > self.blocks.num_free or (self.scheduler.waiting and not preempt):
@@ -104,16 +106,19 @@ class KvHandoff:
             )
         if dropped:  # positions before k are outside the window: no block for them
             self.unpin(rid)
-            seq.block_table, seq.block_hashes = [NULL_BLOCK] * kb, list(payload.prefix_hashes)
+            seq.block_tables = [[NULL_BLOCK] * kb for _ in range(self.blocks.num_groups)]
+            seq.block_hashes = list(payload.prefix_hashes)
         elif k:  # the held blocks pass to the sequence; any held past the payload's prefix are let go
             del self._pinned[rid]
-            seq.block_table, held.block_table = held.block_table[:kb], held.block_table[kb:]
+            seq.block_tables = [t[:kb] for t in held.block_tables]
+            held.block_tables = [t[kb:] for t in held.block_tables]
             seq.block_hashes = held.block_hashes[:kb]
             self.blocks.free(held)
             seq.num_cached_tokens = k
         else:
             self.unpin(rid)
-        self.blocks.grow(seq, seq.num_tokens + 1)
+        bm.skip_outside_window(seq, n)  # the first decode query, at position n, reads only its window
+        bm.grow(seq, n + 1)
         return seq
 
     def admit_reserved(self, seq: Sequence, first_token: int) -> Sequence:

@@ -57,7 +57,7 @@ class LLMEngine(KvHandoff):
             self.runner.num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching,
-            sliding_window=self.model_cfg.kv_window,
+            group_windows=self.runner.kv_groups.windows,
         )
         self.scheduler = Scheduler(
             self.blocks,
@@ -107,10 +107,8 @@ class LLMEngine(KvHandoff):
                 f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"context window of {self.max_model_len} tokens"
             )
-        need = self.blocks.blocks_for(n + sampling.max_tokens)
-        if self.model_cfg.kv_window is not None:  # blocks behind the window are freed as it moves
-            step = self.cfg.token_budget if self.cfg.enable_chunked_prefill else n
-            need = min(need, self.blocks.blocks_for(self.model_cfg.kv_window + step) + 1)
+        step = self.cfg.token_budget if self.cfg.enable_chunked_prefill else n
+        need = self.blocks.max_blocks_for(n + sampling.max_tokens, step)  # a window frees blocks behind it
         if need > self.blocks.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the cache has {self.blocks.num_blocks}")
 

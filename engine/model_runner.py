@@ -20,6 +20,7 @@ from pdserve.engine.models.quant import quantization
 from pdserve.engine.models.registry import family_module
 from pdserve.engine.sampling import sample
 from pdserve.engine.scheduling.block_manager import NULL_BLOCK
+from pdserve.engine.scheduling.kv_groups import kv_groups
 from pdserve.engine.scheduling.scheduler import Batch
 from pdserve.engine.scheduling.sequence import Sequence
 
@@ -27,18 +28,32 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers: layers * 2 (K, V) * block_size * kv_heads * head_dim * itemsize."""
+    """Bytes of one KV block: group_size * 2 (K, V) * block_size * kv_heads * head_dim * itemsize, where
+    ``group_size`` is the layers of one KV cache group (``kv_groups``; all layers unless the model is hybrid)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    layers = kv_groups(cfg.layer_windows, cfg.num_layers).group_size
+    return layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_pool_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Blocks of the KV pool: ``num_kv_blocks`` blocks of every layer (a hybrid model's pool holds their
+    memory in blocks of one KV cache group), else as many as ``kv_cache_gib`` GiB hold (at least 1)."""
+    if cfg.num_kv_blocks:
+        groups = kv_groups(model_cfg.layer_windows, model_cfg.num_layers)
+        return cfg.num_kv_blocks * model_cfg.num_layers // groups.group_size
+    return max(1, int(cfg.kv_cache_gib * (1 << 30)) // kv_bytes_per_block(model_cfg, cfg.block_size, dtype))
 
 
 class ModelRunner:
     """Runs the forward pass over the paged KV cache.
 
-    ``kv_cache``: [num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]; the last block
-    is the scratch block of padded decode rows (``decode_graphs``), never handed out. ``graphs``: the
+    ``kv_cache``: [group_size, 2, num_blocks + 1, block_size, num_kv_heads, head_dim], one pool for
+    every KV cache group (``kv_groups``: one group of all layers unless the model is hybrid); layer i
+    reads and writes ``layer_caches[i]`` (``kv_cache[kv_groups.slot_of[i]]``) through its group's
+    block table. The last block is the scratch block of padded decode rows (``decode_graphs``),
+    never handed out. ``graphs``: the
     decode steps' fixed-size path (``start_decode_graphs``), or None (eager). ``layer_hook``:
-    None, or called as ``layer_hook(batch, i, kv_cache[i])`` after layer i of every prefill step
+    None, or called as ``layer_hook(batch, i, layer_caches[i])`` after layer i of every prefill step
     (``CausalLM.layer_hook``; the layer-wise KV hand-off).
     """
 
@@ -78,11 +93,13 @@ class ModelRunner:
             )
         if cfg.quantization != "none" or cfg.lm_head_quantization != "none":
             log.info("weights quantized: decoder linears %s, lm_head %s", cfg.quantization, cfg.lm_head_quantization)
-        self._frees_blocks = mc.kv_window is not None  # tables may hold NULL_BLOCK (block_manager.py)
-        per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
-        self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)
+        self.kv_groups = kv_groups(mc.layer_windows, mc.num_layers)
+        self._group_of = self.kv_groups.group_of
+        # tables may hold NULL_BLOCK (block_manager.py)
+        self._frees_blocks = any(w is not None for w in self.kv_groups.windows)
+        self.num_blocks = kv_pool_blocks(cfg, mc, self.dtype)
         self.kv_cache = torch.zeros(
-            mc.num_layers,
+            self.kv_groups.group_size,
             2,
             self.num_blocks + 1,
             cfg.block_size,
@@ -91,12 +108,16 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.layer_caches = [self.kv_cache[j] for j in self.kv_groups.slot_of]
 
     def start_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
         """Run decode steps through ``DecodeGraphs`` for contexts up to ``max_model_len`` tokens.
         ``capture`` None: capture CUDA graphs on a CUDA device unless ``enforce_eager``, and on a mixture
         of experts (its routing reads expert counts on the host) or a CPU run eagerly as before; True /
-        False: replayed graphs / the same padded path without a graph (CPU tests)."""
+        False: replayed graphs / the same padded path without a graph (CPU tests). A hybrid model
+        (several KV cache groups) always decodes eagerly."""
+        if self.kv_groups.num_groups > 1:
+            return
         if capture is None:
             if self.device.type != "cuda" or self.cfg.enforce_eager or self.model_cfg.num_experts:
                 return
@@ -113,9 +134,9 @@ class ModelRunner:
         )
         self.graphs.capture_all()
 
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Slot mapping of positions start..end-1 of ``seq`` (host ints)."""
-        bs, table = self.cfg.block_size, seq.block_table
+    def slots(self, seq: Sequence, start: int, end: int, group: int = 0) -> list[int]:
+        """Slot mapping of positions start..end-1 of ``seq`` in KV cache group ``group`` (host ints)."""
+        bs, table = self.cfg.block_size, seq.block_tables[group]
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -132,36 +153,41 @@ class ModelRunner:
         bucket = None if batch.is_prefill or self.graphs is None else self.graphs.bucket_for(len(seqs), width)
         if bucket is not None:
             return self._decode_in(bucket, seqs)
-        tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
-        if self._frees_blocks:  # entries freed outside the window (-1) point at block 0, never read
-            tables.clamp_(min=0)
         starts = [s.num_computed_tokens for s in seqs]
         ends = [a + n for a, n in zip(starts, counts)]
         lens = self._tensor(ends, torch.int32)
         if batch.is_prefill:
             ids = [t for s, a, b in zip(seqs, starts, ends) for t in s.token_ids[a:b]]
             positions = [p for a, b in zip(starts, ends) for p in range(a, b)]
-            slot_mapping = [x for s, a, b in zip(seqs, starts, ends) for x in self.slots(s, a, b)]
         else:  # one token per sequence, its last
             ids = [s.token_ids[-1] for s in seqs]
             positions = starts
-            slot_mapping = [self.slots(s, a, a + 1)[0] for s, a in zip(seqs, starts)]
         cu = [0]
         for n in counts:
             cu.append(cu[-1] + n)
-        meta = AttentionMetadata(
-            batch.is_prefill,
-            self._tensor(slot_mapping, torch.int64),
-            tables,
-            lens,
-            self._tensor(cu, torch.int32),
-            cu_seqlens=cu,
-            context_lens_host=ends,
-        )
+        metas = []
+        for g in range(self.kv_groups.num_groups):  # each group's block tables and slot mapping
+            rows = [s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in seqs]
+            tables = self._tensor(rows, torch.int32)
+            if self._frees_blocks:  # entries freed outside the window (-1) point at block 0, never read
+                tables.clamp_(min=0)
+            slot_mapping = [x for s, a, b in zip(seqs, starts, ends) for x in self.slots(s, a, b, g)]
+            metas.append(
+                AttentionMetadata(
+                    batch.is_prefill,
+                    self._tensor(slot_mapping, torch.int64),
+                    tables,
+                    lens,
+                    self._tensor(cu, torch.int32),
+                    cu_seqlens=cu,
+                    context_lens_host=ends,
+                )
+            )
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self._group_of]
         hook = self.layer_hook if batch.is_prefill else None
         self.model.layer_hook = None if hook is None else functools.partial(hook, batch)
         hidden = self.model.forward(
-            self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta, self.kv_cache
+            self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta, self.layer_caches
         )
         sampled = [i for i in range(len(seqs)) if batch.samples(i)]
         if not sampled:  # every chunk stopped short of its prompt's end
@@ -187,51 +213,65 @@ class ModelRunner:
         )
         return sample(logits, [s.sampling for s in seqs], [s.sampling.step_offset + s.num_output_tokens for s in seqs])
 
-    def _runs(self, seq: Sequence, n: int, start: int = 0) -> list[tuple[int, int, int]]:
-        """Positions start..n-1 of ``seq`` (``start`` a multiple of the block size) as runs over
-        consecutive block ids: (first position, end position, first block), relative to ``start``.
-        They fill whole blocks, the last one possibly in part."""
-        bs, table = self.cfg.block_size, seq.block_table
+    def _runs(self, seq: Sequence, n: int, start: int, group: int) -> list[tuple[int, int, int]]:
+        """Positions start..n-1 of ``seq`` (``start`` a multiple of the block size) in KV cache group
+        ``group`` as runs over consecutive block ids: (first position, end position, first block),
+        relative to ``start``. They fill whole blocks, the last one possibly in part. In a group with
+        a sliding window, positions whose blocks were freed outside it come as runs of ``NULL_BLOCK``;
+        ValueError for those in a full-attention group, or when the table is too short."""
+        bs, table = self.cfg.block_size, seq.block_tables[group]
         if start % bs:
             raise ValueError(f"start {start} is not a multiple of the block size {bs}")
         num_blocks = -(-n // bs)
         if len(table) < num_blocks:
             raise ValueError(f"{n} positions need {num_blocks} blocks; {seq.request_id} has {len(table)}")
         runs, i = [], start // bs
-        if NULL_BLOCK in table[i:num_blocks]:
+        if self.kv_groups.windows[group] is None and NULL_BLOCK in table[i:num_blocks]:
             raise ValueError(f"{seq.request_id}: positions from {start} include blocks freed outside the window")
         while i < num_blocks:
             j = i + 1
-            while j < num_blocks and table[j] == table[j - 1] + 1:
+            step = 0 if table[i] == NULL_BLOCK else 1
+            while j < num_blocks and table[j] == table[j - 1] + step and (table[j] == NULL_BLOCK) == (step == 0):
                 j += 1
             runs.append((i * bs - start, min(j * bs, n) - start, table[i]))
             i = j
         return runs
 
     def _blocks(self, p0: int, p1: int, block: int) -> torch.Tensor:
-        """The cache slots of positions p0..p1-1 of a run starting at ``block``: [L, 2, p1 - p0, kv_heads, D]."""
+        """The cache slots of positions p0..p1-1 of a run starting at ``block``:
+        [group_size, 2, p1 - p0, kv_heads, D]."""
         count = -(-(p1 - p0) // self.cfg.block_size)
         return self.kv_cache[:, :, block : block + count].flatten(2, 3)[:, :, : p1 - p0]
+
+    def _group_runs(self, seq: Sequence, n: int, start: int):
+        """Per KV cache group: (its layers, as a slice when they are all layers in order, else an
+        index tensor on the cache's device; its ``_runs``)."""
+        groups = self.kv_groups
+        for g, layers in enumerate(groups.layers):
+            rows = slice(None) if groups.num_groups == 1 else torch.tensor(layers, device=self.kv_cache.device)
+            yield rows, self._runs(seq, n, start, g)
 
     def read_kv(
         self, seq: Sequence, num_positions: int, alloc: Callable[[int], torch.Tensor] | None = None, start: int = 0
     ) -> torch.Tensor:
         """Copy positions start..num_positions-1 of ``seq`` out of the cache (``start`` a multiple of the
-        block size): [num_layers, 2, num_positions - start, kv_heads, head_dim] on CPU.
+        block size): [num_layers, 2, num_positions - start, kv_heads, head_dim] on CPU. Positions a
+        sliding-window layer freed (outside its window) read as zeros.
 
         Copies whole blocks, one slice copy per run of consecutive block ids, not slot by slot.
         ``alloc(nbytes)`` gives the CPU memory to copy into (a uint8 tensor of ``nbytes``; default: a new
         tensor)."""
-        runs, cache = self._runs(seq, num_positions, start), self.kv_cache
-        shape = (*cache.shape[:2], num_positions - start, *cache.shape[4:])
+        cache = self.kv_cache
+        shape = (self.model_cfg.num_layers, 2, num_positions - start, *cache.shape[4:])
         host = None if alloc is None else alloc(math.prod(shape) * cache.element_size()).view(cache.dtype).view(shape)
         out = (
             host
             if host is not None and cache.device.type == "cpu"
             else torch.empty(shape, dtype=cache.dtype, device=cache.device)
         )
-        for p0, p1, block in runs:
-            out[:, :, p0:p1].copy_(self._blocks(p0, p1, block))
+        for rows, runs in self._group_runs(seq, num_positions, start):
+            for p0, p1, block in runs:
+                out[rows, :, p0:p1] = 0 if block == NULL_BLOCK else self._blocks(p0, p1, block)
         if host is None:
             return out.cpu()
         if out is not host:  # gathered on the device: one copy into the host memory
@@ -240,7 +280,10 @@ class ModelRunner:
 
     def write_kv(self, seq: Sequence, kv: torch.Tensor, start: int = 0) -> None:
         """Write ``kv`` [num_layers, 2, n, kv_heads, head_dim] into positions start..start+n-1 of ``seq``
-        (``start`` a multiple of the block size), one slice copy per run of consecutive block ids."""
+        (``start`` a multiple of the block size), one slice copy per run of consecutive block ids;
+        positions a sliding-window layer has no block for are skipped."""
         kv = kv.to(device=self.kv_cache.device, dtype=self.kv_cache.dtype)
-        for p0, p1, block in self._runs(seq, start + kv.shape[2], start):
-            self._blocks(p0, p1, block).copy_(kv[:, :, p0:p1])
+        for rows, runs in self._group_runs(seq, start + kv.shape[2], start):
+            for p0, p1, block in runs:
+                if block != NULL_BLOCK:
+                    self._blocks(p0, p1, block).copy_(kv[rows, :, p0:p1])

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import kv_bytes_per_block
+from pdserve.engine.model_runner import kv_pool_blocks
 from pdserve.engine.scheduling.batch import Batch
+from pdserve.engine.scheduling.kv_groups import kv_groups
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.planner.step_model import StepModel
 
@@ -56,8 +57,8 @@ class VirtualRunner:
         self.cfg, self.model, self.clock = cfg, model, clock
         self.model_cfg = ModelConfig.from_folder(model_dir)
         self.dtype_name, self.dtype = dtype_name, getattr(torch, dtype_name)
-        per_block = kv_bytes_per_block(self.model_cfg, cfg.block_size, self.dtype)
-        self.num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * (1 << 30)) // per_block)
+        self.kv_groups = kv_groups(self.model_cfg.layer_windows, self.model_cfg.num_layers)
+        self.num_blocks = kv_pool_blocks(cfg, self.model_cfg, self.dtype)
         self.token = 0
         self.trace: list | None = None
         self.num_steps = 0

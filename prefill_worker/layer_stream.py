@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv.layer_frames import KvStreamEnd, KvStreamHead, LayerKv
+from pdserve.engine.kv.layer_frames import KvStreamEnd, KvStreamHead, LayerKv, frame_start
 from pdserve.engine.kv.paged import read_layer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.scheduling.batch import Batch
@@ -67,7 +67,9 @@ class LayerStreamer:
         """Engine thread, after ``layer`` of ``batch`` ran; ``cache``: that layer's part of the paged cache."""
         if not self._streams:
             return
-        last = layer == self.engine.model_cfg.num_layers - 1
+        mc, bs = self.engine.model_cfg, self.engine.cfg.block_size
+        last, window = layer == mc.num_layers - 1, mc.layer_windows[layer] if mc.layer_windows else None
+        table = self.engine.runner.kv_groups.group_of[layer]
         for i, seq in enumerate(batch.seqs):
             stream = self._streams.get(seq.request_id)
             if stream is None:
@@ -78,9 +80,13 @@ class LayerStreamer:
             end = seq.num_computed_tokens + batch.num_query_tokens[i]
             if end <= stream.sent:  # a chunk recomputed after a preemption: sent already
                 continue
-            # on a GPU this copy waits for the layer's kernels (a synchronous device-to-host copy)
-            kv = read_layer(cache, seq.block_table, stream.sent, end).cpu()
-            stream.put(LayerKv(layer, stream.sent, kv))
+            # a sliding-window layer sends only what the first decode query's window reads
+            first = frame_start(window, bs, seq.num_tokens, stream.sent, end)
+            if first < end:  # on a GPU this copy waits for the layer's kernels (a synchronous device-to-host copy)
+                kv = read_layer(cache, seq.block_tables[table], first, end).cpu()
+            else:
+                kv = torch.empty((2, 0, *cache.shape[3:]), dtype=cache.dtype)
+            stream.put(LayerKv(layer, first, kv))
             if last:
                 stream.sent = end
 

@@ -98,3 +98,22 @@ def layer_layout(head_dims: list[int], windows: list[int | None]) -> str:
         else:
             runs.append([1, item])
     return ",".join(f"{n}x{item}" for n, item in runs)
+
+
+def layout_windows(layout: str) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) from a ``layer_layout`` string; [] for
+    ``"-"`` (a fingerprint without one). KvCodecError for a string ``layer_layout`` does not write."""
+    if layout == "-":
+        return []
+    windows: list[int | None] = []
+    try:
+        for run in layout.split(","):
+            count, item = run.split("x", 1)
+            kind = item.split("/", 1)[1]
+            window = None if kind == "full" else int(kind.removeprefix("w"))
+            if not kind.startswith(("full", "w")) or int(count) < 1:
+                raise ValueError(run)
+            windows += [window] * int(count)
+    except (ValueError, IndexError):
+        raise KvCodecError(f"malformed layer layout {layout!r}") from None
+    return windows

@@ -12,7 +12,10 @@ header length | msgpack header | tensor bytes``), every header with ``version`` 
    start, tokens``, its ``nbytes`` (``2 * tokens * num_kv_heads * head_dim * itemsize``), the CRC-32
    ``checksum`` of its tensor bytes, then those bytes: ``[2, tokens, num_kv_heads, head_dim]`` C-contiguous.
    The first round starts at ``kv_start``, each next one where the last ended; the last one ends
-   at ``len(token_ids)``.
+   at ``len(token_ids)``. A layer with a sliding window (``ModelFingerprint.layers``) sends only
+   the positions the first decode query's window reads (``frame_start``): its frame of a round
+   may start later than the round, or hold no position at all (``tokens`` 0, ``start`` the
+   round's end, no tensor bytes).
 3. one ``"end"`` frame: ``first_token`` and ``first_token_unix_ns`` (known only once the last layer
    ran and the prefill worker sampled), ``nbytes`` 0, ``checksum`` 0.
 
@@ -32,7 +35,7 @@ import msgpack
 import torch
 
 from pdserve.engine.kv.codec import KvPayload, crc32
-from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint
+from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, layout_windows
 from pdserve.engine.kv.frame_header import (
     FORMAT_VERSION,
     KIND_END,
@@ -43,6 +46,16 @@ from pdserve.engine.kv.frame_header import (
     KvLimits,
     check_request_header,
 )
+
+
+def frame_start(window: int | None, block_size: int, num_tokens: int, start: int, end: int) -> int:
+    """First position a layer's frame of the round ``start .. end - 1`` holds: ``start`` for a
+    full-attention layer; for one with a sliding window, not before the block of the first
+    position the first decode query (at ``num_tokens``, the prompt's length) reads,
+    ``num_tokens - window + 1`` (``BlockManager.window_start``), and at most ``end``."""
+    if window is None:
+        return start
+    return min(end, max(start, max(0, num_tokens - window + 1) // block_size * block_size))
 
 
 def _frame(header: dict) -> bytes:
@@ -120,9 +133,13 @@ def stream_frames(payload: KvPayload, rounds: list[int] | None = None) -> list:
     p, fp, kv = payload, payload.fingerprint, payload.kv
     head = KvStreamHead(p.request_id, fp, p.token_ids, p.sampling, p.kv_start, p.prefix_hashes)
     frames, digest, at = [encode_head(head)], fp.digest(), 0
+    windows = layout_windows(fp.layers) or [None] * fp.num_layers
     for tokens in rounds or [kv.shape[2]]:
-        for layer in range(fp.num_layers):
-            frames.append(encode_layer(p.request_id, digest, layer, p.kv_start + at, kv[layer, :, at : at + tokens]))
+        start, end = p.kv_start + at, p.kv_start + at + tokens
+        for layer, window in enumerate(windows):
+            first = frame_start(window, fp.block_size, len(p.token_ids), start, end)
+            part = kv[layer, :, first - p.kv_start : end - p.kv_start]
+            frames.append(encode_layer(p.request_id, digest, layer, first, part))
         at += tokens
     return [*frames, encode_end(payload.request_id, digest, payload.first_token, payload.first_token_unix_ns)]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.kv.codec import Buffer, KvDecoder, KvPayload, _as_bytes_view, checksum_into
-from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint
+from pdserve.engine.kv.fingerprint import KvCodecError, ModelFingerprint, layout_windows
 from pdserve.engine.kv.frame_header import (
     DTYPES,
     KIND_END,
@@ -22,7 +22,7 @@ from pdserve.engine.kv.frame_header import (
     decode_header,
     read_prefix,
 )
-from pdserve.engine.kv.layer_frames import KvStreamEnd, KvStreamHead, LayerKv
+from pdserve.engine.kv.layer_frames import KvStreamEnd, KvStreamHead, LayerKv, frame_start
 
 _LAYER_TYPES = {"request_id": str, "fingerprint": str, "layer": int, "start": int, "tokens": int}
 _LAYER_TYPES |= {"nbytes": int, "checksum": int}
@@ -48,6 +48,7 @@ class KvStreamDecoder:
     ) -> None:
         self._expected, self._digest, self._limits = expected, expected.digest(), limits
         self._dtype = DTYPES[expected.dtype]
+        self._windows = layout_windows(expected.layers) or [None] * expected.num_layers
         self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         self.whole: KvDecoder | None = None
         self.head: KvStreamHead | None = None
@@ -120,6 +121,8 @@ class KvStreamDecoder:
         if kind == KIND_END:
             return self._end(header)
         self._start_layer(header)
+        if header["nbytes"] == 0:  # a sliding-window layer with nothing to send this round
+            self._layer_done()
         return None
 
     def _start_layer(self, h: dict) -> None:
@@ -127,20 +130,27 @@ class KvStreamDecoder:
         layer, start, tokens = h["layer"], h["start"], h["tokens"]
         if layer != self._next_layer:
             raise KvCodecError(f"layer frames out of order: got layer {layer}, expected layer {self._next_layer}")
-        if layer == 0:
-            if start != self._covered or not 0 < tokens <= n - start:
+        if tokens < 0:
+            raise KvCodecError(f"layer {layer} frame of {tokens} positions")
+        if layer == 0:  # every frame of a round ends where the round ends
+            end = start + tokens
+            if not self._covered < end <= n:
                 raise KvCodecError(
-                    f"layer 0 frame of positions {start}..{start + tokens - 1}: expected positions from "
+                    f"layer 0 frame of positions {start}..{end - 1}: expected positions from "
                     f"{self._covered} to at most {n - 1}"
                 )
-            self._round = (start, tokens)
-        elif (start, tokens) != self._round:
-            raise KvCodecError(f"layer {layer} frame of {tokens} positions from {start}, its round's are {self._round}")
+            self._round = (self._covered, end)
+        first = frame_start(self._windows[layer], fp.block_size, n, *self._round)
+        if (start, start + tokens) != (first, self._round[1]):
+            raise KvCodecError(
+                f"layer {layer} frame of positions {start}..{start + tokens - 1}: expected positions from "
+                f"{first} to {self._round[1] - 1}"
+            )
         want = 2 * tokens * fp.num_kv_heads * fp.head_dim * self._dtype.itemsize
         if h["nbytes"] != want:
             raise KvCodecError(f"layer frame nbytes {h['nbytes']} != {want} implied by its {tokens} positions")
         self._frame, self._got, self._crc = h, 0, 0
-        self._buf = self._alloc(want)
+        self._buf = self._alloc(want) if want else torch.empty(0, dtype=torch.uint8)
         self._dst = memoryview(self._buf.numpy())
 
     def _layer_done(self) -> LayerKv:
@@ -153,7 +163,7 @@ class KvStreamDecoder:
         self._frame, self._buf, self._dst = None, None, memoryview(b"")
         self._next_layer += 1
         if self._next_layer == fp.num_layers:
-            self._next_layer, self._covered = 0, h["start"] + h["tokens"]
+            self._next_layer, self._covered = 0, self._round[1]
         return LayerKv(h["layer"], h["start"], kv)
 
     def _end(self, h: dict) -> KvStreamEnd:

@@ -78,22 +78,33 @@ class CausalLM:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)  # [T, D] each
 
+    def layer_metas(self, meta: AttentionMetadata | list[AttentionMetadata]) -> list[AttentionMetadata]:
+        """One metadata per layer: ``meta`` itself when it is a list (a hybrid model's layers read
+        their KV cache group's block tables), else ``meta`` for every layer."""
+        return meta if isinstance(meta, list) else [meta] * len(self.layers)
+
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata | list[AttentionMetadata],
+        kv_cache: torch.Tensor | list[torch.Tensor],
     ) -> torch.Tensor:
         """Run the decoder.
 
-        input_ids, positions: [num_tokens]. kv_cache: [num_layers, 2, num_blocks, block_size,
-        num_kv_heads, head_dim], written in place at ``meta.slot_mapping``.
-        Returns the final hidden states after the last norm, [num_tokens, hidden_size].
+        input_ids, positions: [num_tokens]. ``meta``: the step's attention metadata, or one per layer.
+        kv_cache: each layer's part of the paged cache in layer order ([num_layers, 2, num_blocks,
+        block_size, num_kv_heads, head_dim], or a list of [2, ...]), written in place at its
+        metadata's ``slot_mapping``. Returns the final hidden states after the last norm,
+        [num_tokens, hidden_size].
         """
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self._rope(positions, h.dtype)
         x = self.ops.add_rms_norm(h, None, self.first_norm, self.cfg.rms_norm_eps)
         hook = self.layer_hook
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
-            x = layer(h, x, cos, sin, meta, cache)
+        for i, (layer, cache, layer_meta) in enumerate(zip(self.layers, kv_cache, self.layer_metas(meta))):
+            x = layer(h, x, cos, sin, layer_meta, cache)
             if hook is not None:
                 hook(i, cache)
         return x

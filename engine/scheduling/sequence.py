@@ -28,9 +28,10 @@ class Sequence:
 
     ``num_computed_tokens`` positions have their KV in the cache (a prefix taken from the prefix
     cache counts, ``num_cached_tokens`` of them); a step computes the next ones, a chunk of the
-    prompt or, once only the last token is left (``is_decoding``), that token. ``block_table``
-    lists the KV block ids covering positions 0.. in order; ``block_hashes`` names its first full
-    blocks (prefix caching, see ``prefix_hash``).
+    prompt or, once only the last token is left (``is_decoding``), that token. ``block_tables``
+    holds one table per KV cache group (``kv_groups``; one for most models), each listing the KV
+    block ids covering positions 0.. in order; ``block_table`` is the first. ``block_hashes`` names
+    its first full blocks (prefix caching, see ``prefix_hash``).
     """
 
     request_id: str
@@ -40,7 +41,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -63,6 +64,15 @@ class Sequence:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
         return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, eos_token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's block table (the only one of a model that is not hybrid)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:

@@ -102,15 +102,16 @@ class GemmaLM(CausalLM):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list, kv_cache
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed) * self.embed_scale  # the residual stream, updated in place
         rope = {False: self._rope(positions, h.dtype)}
         rope[True] = rope[False] if self.local_inv_freq is None else self._local_rope(positions, h.dtype)
         x = gemma_rms_norm(h, self.first_norm, self.cfg.rms_norm_eps)
         hook = self.layer_hook  # see CausalLM
-        for i, (layer, cache, sliding) in enumerate(zip(self.layers, kv_cache, self.sliding)):
-            x = layer(h, x, *rope[sliding], meta, cache)
+        layers = zip(self.layers, kv_cache, self.sliding, self.layer_metas(meta))
+        for i, (layer, cache, sliding, layer_meta) in enumerate(layers):
+            x = layer(h, x, *rope[sliding], layer_meta, cache)
             if hook is not None:
                 hook(i, cache)
         return x

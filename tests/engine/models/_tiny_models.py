@@ -115,27 +115,39 @@ def engine_logits(engine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor
 
     runner = engine.runner
     model, cache, bs = runner.model, runner.kv_cache, engine.cfg.block_size
+    groups, layer_caches = runner.kv_groups, runner.layer_caches
+
+    def per_layer(make):  # one metadata per KV cache group, each layer given its group's
+        metas = [make(g) for g in range(groups.num_groups)]
+        return metas[0] if len(metas) == 1 else [metas[g] for g in groups.group_of]
+
     n = len(prompt)
+    nblocks = -(-n // bs)
     ids = torch.tensor(prompt, dtype=torch.int64)
     pos = torch.arange(n)
-    meta = prefill_metadata(pos.clone(), list(range(-(-n // bs))), n)
-    prefill = model.compute_logits(model.forward(ids, pos, meta, cache)).float()
+    meta = per_layer(lambda g: prefill_metadata(pos + g * nblocks * bs, [g * nblocks + i for i in range(nblocks)], n))
+    prefill = model.compute_logits(model.forward(ids, pos, meta, layer_caches)).float()
     cache.zero_()
-    nblocks = -(-n // bs)
-    assert 2 * nblocks <= runner.num_blocks, "test engine needs more KV blocks"
-    table = [runner.num_blocks - 1 - 2 * i for i in range(nblocks)]
-    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+    assert 2 * nblocks * groups.num_groups <= runner.num_blocks, "test engine needs more KV blocks"
+    tables = [
+        [runner.num_blocks - 1 - 2 * i - 2 * nblocks * g for i in range(nblocks)] for g in range(groups.num_groups)
+    ]
+    slots = [torch.tensor(t)[pos // bs] * bs + pos % bs for t in tables]
     decode = prefill[-1]
     if n > 1:
-        model.forward(ids[:-1], pos[:-1], prefill_metadata(slots[:-1], table, n - 1), cache)
-        meta = AttentionMetadata(
-            False,
-            slots[-1:],
-            torch.tensor([table], dtype=torch.int32),
-            torch.tensor([n], dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32),
+        model.forward(
+            ids[:-1], pos[:-1], per_layer(lambda g: prefill_metadata(slots[g][:-1], tables[g], n - 1)), layer_caches
         )
-        decode = model.compute_logits(model.forward(ids[-1:], pos[-1:], meta, cache))[0].float()
+        meta = per_layer(
+            lambda g: AttentionMetadata(
+                False,
+                slots[g][-1:],
+                torch.tensor([tables[g]], dtype=torch.int32),
+                torch.tensor([n], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32),
+            )
+        )
+        decode = model.compute_logits(model.forward(ids[-1:], pos[-1:], meta, layer_caches))[0].float()
     cache.zero_()
     return prefill, decode
 
