@@ -12,7 +12,14 @@ import grpc
 from pdserve.engine.config import KV_STREAMS, for_role
 from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvCodecError, KvPayload, encode_kv
-from pdserve.engine.kv.layer_frames import KvStreamHead, LayerKv, encode_end, encode_head, encode_layer
+from pdserve.engine.kv.layer_frames import (
+    KvStreamHead,
+    LayerKv,
+    encode_end,
+    encode_head,
+    encode_layer,
+    stream_frames,
+)
 from pdserve.engine.kv.transfer import KvSender, KvTransferError
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.scheduling.sequence import FinishReason
@@ -43,7 +50,8 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
     After each prefill step every sequence leaves the engine at once, so its blocks are free before
     the next step and this engine never runs a decode step. ``kv_stream`` says how its KV goes:
     "whole": after the step, as one frame (``LLMEngine.extract_kv``; copied into host buffers that
-    are reused once a push succeeded, ``kv_buffers``); "layer": layer by layer while the forward
+    are reused once a push succeeded, ``kv_buffers``; a hybrid model's as one round of layer frames,
+    so that its windowed layers send only their window); "layer": layer by layer while the forward
     runs (``layer_stream.LayerStreamer``, the runner's layer hook), in one PushKv call opened when
     its prefill starts (``kv_sender.send_kv_stream``, which ``GrpcKvSender`` has).
     """
@@ -195,23 +203,34 @@ class PrefillWorker(worker_pb2_grpc.PrefillServiceServicer):
         return None
 
     async def _push(self, target: str, payload: KvPayload) -> worker_pb2.KvPushError | None:
-        """Serialize off the event loop, then stream to the decode worker at ``target``.
+        """Serialize off the event loop, then stream to the decode worker at ``target``: one frame,
+        or for a hybrid model (``LLMEngine.runner.kv_groups``) the frames of one layer-wise round.
 
         Returns None once the decode worker holds the KV, else why not (also logged): the push's
         status code and reason, or INTERNAL when the KV could not be serialized.
         """
+        # a hybrid model's windowed layers send only their window: the frames of one layer-wise round
+        windowed = self.engine.runner.kv_groups.num_groups > 1 and hasattr(self.kv_sender, "send_kv_stream")
         try:
-            frame = await asyncio.to_thread(encode_kv, payload)
+            frame = await asyncio.to_thread(stream_frames if windowed else encode_kv, payload)
         except Exception as exc:  # no push can deliver this payload
             log.exception("the KV of request %r could not be serialized", payload.request_id)
             return worker_pb2.KvPushError(code="INTERNAL", message=f"the KV could not be serialized: {exc!r}")
         try:
-            await self.kv_sender.send_kv(target, payload.request_id, frame)
+            if windowed:
+                await self.kv_sender.send_kv_stream(target, payload.request_id, _frames(frame))
+            else:
+                await self.kv_sender.send_kv(target, payload.request_id, frame)
         except KvTransferError as exc:  # after a failure, let the tensor go: the call may still hold it
             log.warning("%s", exc)
             return worker_pb2.KvPushError(code=exc.code, message=exc.reason)
         self.kv_buffers.give(payload.kv)  # the call is over: nothing reads the tensor any more
         return None
+
+
+async def _frames(frames: list):
+    for frame in frames:
+        yield frame
 
 
 # a decode worker that answered a KV push with these refused it (another model, a bad KV, no stream

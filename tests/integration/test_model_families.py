@@ -96,6 +96,24 @@ async def test_greedy_matches_transformers(family, name, placement, mode):
         assert await pipe.wait_idle() == 0
 
 
+@pytest.mark.parametrize("kv_stream", ["whole", "layer"])
+async def test_a_hybrid_push_sends_windowed_layers_only_their_window(family, kv_stream):
+    """Gemma 3 (sliding, global, sliding; window 16) in split placement, the KV pushed whole or layer by
+    layer: greedy output equals transformers', and the decode worker received fewer bytes than the
+    dense KV of every layer (its windowed layers got only their window)."""
+    folder, ref = family("gemma3")
+    prompts = _prompts("gemma3")
+    pushed = dense = 0
+    async with local_pipeline(folder, "split", kv_stream=kv_stream) as pipe, Client(pipe.address) as client:
+        for p, want in zip(prompts, ref, strict=True):
+            res = await client.generate(make_request("", prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0))
+            assert not res.error and res.token_ids == want
+            pushed += res.timings.kv_transfer_bytes
+            dense += 3 * 2 * len(p) * BASE["num_key_value_heads"] * 16 * 4  # 3 layers, K and V, head_dim 16, fp32
+        assert await pipe.wait_idle() == 0
+    assert 0 < pushed < 0.8 * dense  # the 150-token prompt's windowed layers get 16-19 of its positions
+
+
 async def test_split_pair_of_two_families_refuses_the_kv(family, tmp_path):
     """Qwen3 prefill beside a Llama decode worker of the same KV shapes (2 layers, 2 KV heads of 32)
     and tokenizer: refused at start and per payload, naming the architectures."""
