@@ -59,26 +59,19 @@ def describe(deserializer, raw: bytes, exc: Exception) -> str:
     return f"request is not a valid {name} ({len(raw)} bytes): {reason}"
 
 
-def _unary_deserializer(deserializer, method: str):
+def _deserializer(deserializer, method: str, streamed: bool):
+    """``deserializer`` that, for bytes it refuses, logs one WARNING and returns an ``Undecodable``
+    (a unary request) or raises ``UndecodableRequest`` (a streamed one)."""
+
     def deserialize(raw: bytes):
         try:
             return deserializer(raw)
         except Exception as exc:
             message = describe(deserializer, raw, exc)
             log.warning("refused %s: %s", method, message)
+            if streamed:
+                raise UndecodableRequest(message) from None
             return Undecodable(message)
-
-    return deserialize
-
-
-def _stream_deserializer(deserializer, method: str):
-    def deserialize(raw: bytes):
-        try:
-            return deserializer(raw)
-        except Exception as exc:
-            message = describe(deserializer, raw, exc)
-            log.warning("refused %s: %s", method, message)
-            raise UndecodableRequest(message) from None
 
     return deserialize
 
@@ -140,10 +133,10 @@ def refusing_undecodable(handler: grpc.RpcMethodHandler, method: str) -> grpc.Rp
     if handler.request_deserializer is None or behavior is None or not _is_async(behavior):
         return handler
     if kind.startswith("unary_"):
-        deserializer = _unary_deserializer(handler.request_deserializer, method)
+        deserializer = _deserializer(handler.request_deserializer, method, streamed=False)
         wrapped = _unary_request(behavior)
     else:
-        deserializer = _stream_deserializer(handler.request_deserializer, method)
+        deserializer = _deserializer(handler.request_deserializer, method, streamed=True)
         wrapped = _stream_request(behavior)
     make = getattr(grpc, f"{kind}_rpc_method_handler")
     return make(wrapped, request_deserializer=deserializer, response_serializer=handler.response_serializer)

@@ -170,3 +170,15 @@ def drop_tensor(folder: Path, name: str) -> None:
     tensors = load_file(str(path))
     del tensors[name]
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def prefill_payloads(prefill, prompts: list[list[int]], sampling) -> list:
+    """Prefill ``prompts`` (request ids ``r0``, ``r1`` ..) on engine ``prefill`` and take each out
+    with ``extract_kv`` as its prefill ends; asserts the engine holds no block afterwards."""
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", p, sampling)
+    payloads = []
+    while prefill.has_work():
+        payloads += [prefill.extract_kv(o.seq) for o in prefill.step() if o.prefill]
+    assert prefill.blocks.num_used == 0
+    return payloads

@@ -9,7 +9,7 @@ import torch
 
 from tests.engine.models._gemma_cases import build_gemma
 from tests.engine.models._layout_cases import NEEDS_TOKENIZER, _assert_same_tokens
-from tests.engine.models._tiny_models import BASE, hf_greedy, load_hf
+from tests.engine.models._tiny_models import BASE, hf_greedy, load_hf, prefill_payloads
 
 pytestmark = NEEDS_TOKENIZER
 pytest.importorskip("transformers")
@@ -70,12 +70,7 @@ def test_a_whole_hand_off_places_every_group_and_decode_frees_as_it_goes(hybrid_
     folder, prompts, ref = hybrid_model
     kw = dict(enable_prefix_caching=prefix_caching)
     prefill, decode = _engine(folder, **kw), _engine(folder, **kw)
-    for i, p in enumerate(prompts):
-        prefill.add_request(f"r{i}", p, GREEDY)
-    payloads = []
-    while prefill.has_work():
-        payloads += [prefill.extract_kv(o.seq) for o in prefill.step() if o.prefill]
-    assert prefill.blocks.num_used == 0
+    payloads = prefill_payloads(prefill, prompts, GREEDY)
     seqs = []
     for pl in payloads:
         n = len(pl.token_ids)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine.models._layout_cases import NEEDS_TOKENIZER, _assert_same_tokens
-from tests.engine.models._tiny_models import BASE, build_model, hf_greedy, load_hf
+from tests.engine.models._tiny_models import BASE, build_model, hf_greedy, load_hf, prefill_payloads
 
 pytestmark = NEEDS_TOKENIZER
 pytest.importorskip("transformers")
@@ -61,12 +61,7 @@ def test_a_cache_smaller_than_a_prompt_serves_it_and_matches_transformers(window
 def test_the_hand_off_sends_only_the_window_and_decode_frees_as_it_goes(window_model):
     folder, prompts, ref = window_model
     prefill, decode = _engine(folder, enable_prefix_caching=True), _engine(folder, enable_prefix_caching=True)
-    for i, p in enumerate(prompts):
-        prefill.add_request(f"r{i}", p, GREEDY)
-    payloads = []
-    while prefill.has_work():
-        payloads += [prefill.extract_kv(o.seq) for o in prefill.step() if o.prefill]
-    assert prefill.blocks.num_used == 0
+    payloads = prefill_payloads(prefill, prompts, GREEDY)
     seqs = []
     for pl in payloads:
         n = len(pl.token_ids)
