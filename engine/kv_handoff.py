@@ -78,7 +78,7 @@ class KvHandoff:
         kb = k // bs
         held = self._pinned.get(rid)
         dropped = 0 < k <= self.blocks.window_start(len(payload.token_ids))
-        if dropped and list(payload.prefix_hashes) != prefix_hashes(payload.token_ids[:k], self.cfg.block_size):
+        if dropped and list(payload.prefix_hashes) != prefix_hashes(payload.token_ids[:k], bs):
             raise ValueError(f"request {rid}: the prefix hashes of its KV do not match its tokens")
         if (
             k

@@ -109,6 +109,10 @@ class ModelRunner:
             device=self.device,
         )
         self.layer_caches = [self.kv_cache[j] for j in self.kv_groups.slot_of]
+        # each group's layers, as ``read_kv`` / ``write_kv`` index the payload
+        self._group_rows = [torch.tensor(ls, device=self.device) for ls in self.kv_groups.layers]
+        if self.kv_groups.num_groups == 1:
+            self._group_rows = [slice(None)]
 
     def start_decode_graphs(self, max_model_len: int, capture: bool | None = None) -> None:
         """Run decode steps through ``DecodeGraphs`` for contexts up to ``max_model_len`` tokens.
@@ -246,9 +250,7 @@ class ModelRunner:
     def _group_runs(self, seq: Sequence, n: int, start: int):
         """Per KV cache group: (its layers, as a slice when they are all layers in order, else an
         index tensor on the cache's device; its ``_runs``)."""
-        groups = self.kv_groups
-        for g, layers in enumerate(groups.layers):
-            rows = slice(None) if groups.num_groups == 1 else torch.tensor(layers, device=self.kv_cache.device)
+        for g, rows in enumerate(self._group_rows):
             yield rows, self._runs(seq, n, start, g)
 
     def read_kv(

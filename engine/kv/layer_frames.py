@@ -46,16 +46,17 @@ from pdserve.engine.kv.frame_header import (
     KvLimits,
     check_request_header,
 )
+from pdserve.engine.scheduling.kv_groups import window_block_start
 
 
 def frame_start(window: int | None, block_size: int, num_tokens: int, start: int, end: int) -> int:
     """First position a layer's frame of the round ``start .. end - 1`` holds: ``start`` for a
     full-attention layer; for one with a sliding window, not before the block of the first
     position the first decode query (at ``num_tokens``, the prompt's length) reads,
-    ``num_tokens - window + 1`` (``BlockManager.window_start``), and at most ``end``."""
+    ``num_tokens - window + 1`` (``kv_groups.window_block_start``), and at most ``end``."""
     if window is None:
         return start
-    return min(end, max(start, max(0, num_tokens - window + 1) // block_size * block_size))
+    return min(end, max(start, window_block_start(window, block_size, num_tokens)))
 
 
 def _frame(header: dict) -> bytes:

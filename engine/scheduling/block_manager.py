@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from pdserve.engine.scheduling.kv_groups import window_block_start
 from pdserve.engine.scheduling.prefix_hash import BlockHash, hash_block
 from pdserve.engine.scheduling.sequence import Sequence
 
@@ -176,9 +177,7 @@ class BlockManager:
                 self._evictable[block] = None
 
     def _window_start(self, window: int | None, next_position: int) -> int:
-        if window is None:
-            return 0
-        return max(0, next_position - window + 1) // self.block_size * self.block_size
+        return window_block_start(window, self.block_size, next_position)
 
     def window_start(self, next_position: int) -> int:
         """First position a query at ``next_position`` or later can read in any layer, rounded down

@@ -54,6 +54,14 @@ class KvGroups:
         return out
 
 
+def window_block_start(window: int | None, block_size: int, next_position: int) -> int:
+    """First position a query at ``next_position`` or later reads under a sliding ``window`` (it sees
+    keys p - window + 1 .. p, transformers' rule), rounded down to a block boundary; 0 for None."""
+    if window is None:
+        return 0
+    return max(0, next_position - window + 1) // block_size * block_size
+
+
 def kv_groups(layer_windows: tuple[int | None, ...] | list[int | None], num_layers: int) -> KvGroups:
     """Group ``num_layers`` layers by their sliding window (``layer_windows[i]``, None: full
     attention; empty: every layer full). Full-attention groups come first. ValueError when
