@@ -15,7 +15,7 @@ from pdserve.engine.kv.stream_decoder import KvStreamDecoder
 from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.worker.host import EngineHost, abort_quietly, relay_tokens, submit_quietly
+from pdserve.worker.host import EngineHost, relay_tokens, run_or_undo, submit_quietly
 
 ADMIT_RETRY_S = 0.005
 ADMIT_PREEMPT_AFTER_S = 1.0  # a KV kept out this long by a full cache preempts running sequences for its room
@@ -91,7 +91,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         while True:
             preempt = time.monotonic() - start > ADMIT_PREEMPT_AFTER_S
             try:
-                seq = await asyncio.wrap_future(self.host.loop.submit(lambda e, preempt=preempt: place(e, preempt)))
+                seq = await run_or_undo(
+                    self.host.loop, lambda e, preempt=preempt: place(e, preempt), lambda e, seq: e.release_kv(seq)
+                )
                 break
             except KvCacheFullError as exc:
                 if fut.done() or time.monotonic() > deadline:
@@ -105,10 +107,7 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
                     fut.set_exception(exc)
                 raise
         if fut.done():  # the stream went away while we were admitting
-            if reserve:
-                await submit_quietly(self.host.loop, lambda e: e.release_kv(seq))
-            else:
-                await abort_quietly(self.host.loop, rid)
+            await submit_quietly(self.host.loop, lambda e: e.release_kv(seq))
             return None
         return seq
 
@@ -172,9 +171,8 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             self._pending.pop(rid, None)
             self._kv_transfer.pop(rid, None)
             self.host.streams.close(rid)
-            await submit_quietly(self.host.loop, lambda e: e.unpin(rid))
-            if not finished:
-                await abort_quietly(self.host.loop, rid)
+            # one call: a cancellation arriving while it is under way cannot skip the abort
+            await submit_quietly(self.host.loop, lambda e: _let_go(e, rid, finished))
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
         # Chunks are decoded as they arrive: a bad header is refused at once, and each chunk's bytes
@@ -210,6 +208,13 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
         finally:  # a stream that broke off (cancelled, refused, cut short) leaves no block behind
             writer.release()
         return worker_pb2.PushKvResponse(received_bytes=decoder.received)
+
+
+def _let_go(engine: LLMEngine, request_id: str, finished: bool) -> None:
+    """A Decode stream ended: release the prefix held for its KV and, unless it finished, abort it."""
+    engine.unpin(request_id)
+    if not finished:
+        engine.abort(request_id)
 
 
 def decode_service(worker: DecodeWorker) -> tuple:

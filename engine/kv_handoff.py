@@ -18,7 +18,7 @@ from pdserve.engine.kv.layer_frames import KvStreamHead
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.block_manager import NULL_BLOCK
 from pdserve.engine.scheduling.prefix_hash import prefix_hashes
-from pdserve.engine.scheduling.sequence import Sequence
+from pdserve.engine.scheduling.sequence import FinishReason, Sequence
 from pdserve.engine.step_types import KvCacheFullError
 
 
@@ -133,8 +133,9 @@ class KvHandoff:
         return seq
 
     def release_kv(self, seq: Sequence) -> None:
-        """Free the blocks of a sequence ``reserve_kv`` placed that will not run (its KV broke off)."""
-        self.blocks.free(seq)
+        """Let go of a sequence ``reserve_kv`` placed whose stream broke off: its blocks are freed, and
+        when ``admit_reserved`` already ran it, it is aborted (idempotent)."""
+        self.scheduler.finish(seq, FinishReason.ABORT)
 
     def extract_kv(
         self, seq: Sequence, alloc: Callable[[int], torch.Tensor] | None = None, skip_tokens: int = 0

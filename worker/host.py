@@ -205,11 +205,32 @@ async def admit_prompt(host: EngineHost, request, context: grpc.aio.ServicerCont
 
 
 async def submit_quietly(loop: EngineLoop, fn) -> None:
-    """Run ``fn(engine)`` on the engine thread and wait for it; ignores a stopped loop."""
+    """Run ``fn(engine)`` on the engine thread and wait for it; ignores a stopped loop. The call runs
+    even when the waiting task is cancelled meanwhile (the cancellation still reaches the caller):
+    what goes through here is clean-up, such as an abort or an unpin, that must never be skipped."""
     try:
-        await asyncio.wrap_future(loop.submit(fn))
+        await asyncio.shield(asyncio.wrap_future(loop.submit(fn)))
     except RuntimeError:
         pass
+
+
+async def run_or_undo(loop: EngineLoop, fn, undo):
+    """Run ``fn(engine)`` on the engine thread and return its result (its exception raised here).
+    When the waiting task is cancelled meanwhile, a call that is not yet running is dropped and one
+    that ran anyway is undone: ``undo(engine, result)`` runs after it on the engine thread, so that
+    nothing it placed (a sequence, its KV blocks) outlives a caller that never saw it."""
+    call = loop.submit(fn)
+    try:
+        return await asyncio.wrap_future(call)
+    except asyncio.CancelledError:
+        call.cancel()
+
+        def undo_if_ran(engine):  # runs after ``call`` on the engine thread: it is done or cancelled
+            if not call.cancelled() and call.exception() is None:
+                undo(engine, call.result())
+
+        loop.submit(undo_if_ran)
+        raise
 
 
 async def abort_quietly(loop: EngineLoop, request_id: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +16,7 @@ class Pipeline:
     address: str  # router host:port
     workers: list  # RunningWorker objects
     router: object  # RunningRouter
+    held: list = field(default_factory=list)  # what each busy worker held at the last used_blocks()
 
     @property
     def http_url(self) -> str:
@@ -26,10 +27,15 @@ class Pipeline:
         from pdserve.rpc.auth import internal_channel
 
         total = 0
+        self.held = []
         for w in self.workers:
             async with internal_channel(w.address, None) as ch:
                 s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
-                total += s.used_kv_blocks + s.num_waiting + s.num_running
+                held = s.used_kv_blocks + s.num_waiting + s.num_running
+                total += held
+                if held:
+                    counts = f"{s.used_kv_blocks} blocks, {s.num_running} running, {s.num_waiting} waiting"
+                    self.held.append(f"{s.role}@{w.address}: {counts}")
         return total
 
     async def wait_idle(self, timeout_s: float = 10.0) -> int:
@@ -38,6 +44,8 @@ class Pipeline:
         while True:
             used = await self.used_blocks()
             if used == 0 or asyncio.get_running_loop().time() > deadline:
+                if used:  # shown beside a failed assertion: which worker holds what
+                    print("still held after", timeout_s, "s:", "; ".join(self.held))
                 return used
             await asyncio.sleep(0.05)
 
