@@ -113,8 +113,9 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
 
     def _admitted(self, seq: Sequence, sent_ns: int, nbytes: int, start: float) -> None:
         """``seq`` runs: note its transfer timings and let its Decode stream go on."""
+        since_admission_ns = time.monotonic_ns() - seq.arrival_ns  # decode time already counts it
         self._kv_transfer[seq.request_id] = (
-            max(0, time.time_ns() - sent_ns) if sent_ns else 0,
+            max(0, time.time_ns() - sent_ns - since_admission_ns) if sent_ns else 0,
             nbytes,
             int((time.monotonic() - start) * 1e9),
         )
