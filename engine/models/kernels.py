@@ -1,8 +1,8 @@
 """Build, cache and load the C++ CPU kernels in ``csrc/`` (no torch headers, loaded with ctypes).
 
 ``csrc/paged_attention.cpp``: paged attention (decode and prefill). ``csrc/elementwise_bf16.cpp``: fused
-bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE. ``csrc/int8_linear.cpp``: int8 weights
-times int8-quantized bfloat16 activations for decode-sized calls (AVX512-VNNI).
+bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE. ``csrc/quant_linear.cpp``: int8 and
+int4 weights times int8-quantized bfloat16 activations (AVX512-VNNI).
 
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
 and ``-march=native`` into ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``);
@@ -25,7 +25,7 @@ from pdserve.engine.models.dtype import cpu_flags
 from pdserve.engine.models.embedded import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise_bf16.cpp", CSRC / "int8_linear.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "elementwise_bf16.cpp", CSRC / "quant_linear.cpp")
 HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -36,6 +36,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_silu_mul_bf16": [_P, _P, _I, _I, _N],
     "pdserve_rope_bf16": [_P, _P, _P, _I, _I, _I, _I, _N],
     "pdserve_int8_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
+    "pdserve_int4_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
 }
 ATTENTION_SYMBOLS = {
     "float32": "pdserve_paged_attention_f32",
@@ -83,5 +84,15 @@ def load_cpu_kernels() -> ctypes.CDLL:
     for symbol, args in [*((s, _ATTENTION_ARGS) for s in ATTENTION_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
         fn = getattr(lib, symbol)
         fn.argtypes, fn.restype = args, None
-    lib.pdserve_int8_linear_max_rows.argtypes, lib.pdserve_int8_linear_max_rows.restype = [], _N
+    lib.pdserve_quant_linear_supported.argtypes, lib.pdserve_quant_linear_supported.restype = [], _N
     return lib
+
+
+def vnni_kernel(symbol: str):
+    """``csrc/quant_linear.cpp``'s ``symbol`` (``pdserve_int8_linear_bf16`` or
+    ``pdserve_int4_linear_bf16``), or None where it cannot run: no AVX512-VNNI, or no kernels here."""
+    try:
+        lib = load_cpu_kernels()
+    except KernelUnavailable:
+        return None
+    return getattr(lib, symbol) if lib.pdserve_quant_linear_supported() else None

@@ -73,7 +73,9 @@ async def test_a_call_that_ran_after_its_waiter_was_cancelled_is_undone_on_the_e
         release.wait(WAIT_S)
         return 42
 
-    task = asyncio.create_task(run_or_undo(loop, slow, lambda e, r: undone.append((r, threading.current_thread().name))))
+    task = asyncio.create_task(
+        run_or_undo(loop, slow, lambda e, r: undone.append((r, threading.current_thread().name)))
+    )
     assert await asyncio.to_thread(entered.wait, WAIT_S)
     await cancel_soon(task)
     release.set()

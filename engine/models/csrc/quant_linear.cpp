@@ -1,0 +1,194 @@
+// Quantized weights times int8 activations, with AVX512-VNNI: int8 per channel and int4 per group of 32.
+//
+// Activations x [M, K] bfloat16 are quantized here per group of 32 inputs, as llama.cpp quantizes them
+// for its Q8_0 / Q4_0 dots: x[m, k] ~ sx[m, g] * xq[m, k], xq in [-127, 127], sx = max |x| / 127 over
+// the group, g = k / 32; xs[m, g] is the group's sum of xq. Then (engine/models/quant.py, int4.py):
+//
+//   int8:  w[n, k] = q[n, k] * sw[n],                 q in [-127, 127]
+//          y[m, n] = sw[n] * sum_g sx[m, g] * (dot(q + 128, xq) - 128 * xs[m, g])
+//   int4:  w[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n], q in [0, 15]
+//          y[m, n] = sum_g sx[m, g] * (s[g, n] * (dot(q, xq) - 8 * xs[m, g]) + z[g, n] * xs[m, g])
+//
+// with each dot over the group's 32 inputs, exact in int32. vpdpbusd multiplies unsigned by signed bytes,
+// hence int8's weights stored as q + 128 and the 128 * xs taken off per group.
+//
+// The 16 lanes of a vector are 16 output channels, so scales apply lane by lane and no horizontal sum is
+// needed: vpdpbusd multiplies each lane's 4 weight bytes by 4 bytes of x broadcast to every lane. The
+// weights are packed by engine/models/quant.py and int4.py, in blocks of 16 channels nb:
+//
+//   int8 packed [N / 16, K / 32, 8, 16, 4] uint8: byte [nb, g, p, l, b] = q[16 nb + l, 32 g + 4 p + b] + 128
+//        sw     [N] float32
+//   int4 packed [N / 16, K / 32, 4, 16, 4] uint8: byte [nb, g, p, l, b] = q[16 nb + l, 32 g + 4 p + b]
+//                                                  | q[16 nb + l, 32 g + 16 + 4 p + b] << 4
+//        sz     [N / 16, K / 32, 2, 16] bfloat16: the 16 channels' scales s, then their zeros z
+//
+// so a group of 16 channels costs 8 loads and 8 vpdpbusd (int8), or 4 loads, 12 integer instructions and
+// 8 vpdpbusd (int4: the low and high nibbles of one load feed two), per row of x.
+//
+// Blocks of 16 channels are split over `threads` OpenMP threads; each runs every row of x through its
+// block (8 rows a pass, their accumulators in registers) while the block's weights stay in the L1 cache.
+// A row of y depends on its own row of x only, so the result does not depend on the batch around it.
+// Needs N % 16 == 0 and K % 32 == 0.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kGroup = 32;       // inputs per activation scale (and per int4 weight scale)
+constexpr int kRowsPerPass = 8;  // rows of x whose accumulators one pass over a block keeps in registers
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store_bf16x16(uint16_t* p, __m512 v) {  // round to nearest even (finite values)
+  __m512i u = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One row of x [K] bfloat16 -> xq [K] int8, its groups' scales sx [K / 32] and sums xs [K / 32].
+void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* sx, int32_t* xs) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __m512 a = load_bf16x16(x + g * kGroup), b = load_bf16x16(x + g * kGroup + 16);
+    float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+    __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+    sx[g] = m / 127.f;
+    xs[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  }
+}
+
+struct Activations {  // x quantized: xq [M, K], sx and xs [M, K / 32]
+  std::vector<int8_t> xq;
+  std::vector<float> sx;
+  std::vector<int32_t> xs;
+  Activations(const uint16_t* x, int64_t M, int64_t K) : xq(M * K), sx(M * K / kGroup), xs(M * K / kGroup) {
+    const int64_t G = K / kGroup;
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, &xq[m * K], &sx[m * G], &xs[m * G]);
+  }
+};
+
+// The group's int32 dots of 16 channels with M rows of xq (rows at xg, stride K): two chains of 4
+// vpdpbusd a row, inputs 0-15 and 16-31 of the group.
+template <int M, int Bits>
+inline void group_dots(const uint8_t* wg, const int8_t* xg, int64_t K, __m512i* d) {
+  __m512i d2[M];
+  for (int m = 0; m < M; ++m) d[m] = d2[m] = _mm512_setzero_si512();
+  for (int p = 0; p < 4; ++p) {
+    __m512i a, b;
+    if constexpr (Bits == 4) {
+      const __m512i low = _mm512_set1_epi8(0x0f);
+      __m512i v = _mm512_loadu_si512(wg + p * 64);
+      a = _mm512_and_si512(v, low), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    } else {
+      a = _mm512_loadu_si512(wg + p * 64), b = _mm512_loadu_si512(wg + (p + 4) * 64);
+    }
+    for (int m = 0; m < M; ++m) {
+      d[m] = _mm512_dpbusd_epi32(d[m], a, bcast4(xg + m * K + 4 * p));
+      d2[m] = _mm512_dpbusd_epi32(d2[m], b, bcast4(xg + m * K + 16 + 4 * p));
+    }
+  }
+  for (int m = 0; m < M; ++m) d[m] = _mm512_add_epi32(d[m], d2[m]);
+}
+
+// Rows m0 .. m0 + M of y for the 16 channels of block nb; `scales` is sw (int8) or sz (int4).
+template <int M, int Bits>
+void channel_block(const uint8_t* w, const void* scales, const Activations& a, uint16_t* y, int64_t N, int64_t K,
+                   int64_t nb, int64_t m0) {
+  const int64_t G = K / kGroup;
+  constexpr int64_t kGroupBytes = 16 * kGroup * Bits / 8;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i d[M];
+    group_dots<M, Bits>(w + (nb * G + g) * kGroupBytes, &a.xq[m0 * K + g * kGroup], K, d);
+    __m512 s, z;
+    if constexpr (Bits == 4) {
+      const uint16_t* szg = static_cast<const uint16_t*>(scales) + (nb * G + g) * 32;
+      s = load_bf16x16(szg), z = load_bf16x16(szg + 16);
+    }
+    for (int m = 0; m < M; ++m) {
+      const float sxm = a.sx[(m0 + m) * G + g];
+      const int32_t xsm = a.xs[(m0 + m) * G + g];
+      const int32_t offset = (Bits == 4 ? 8 : 128) * xsm;
+      __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[m], _mm512_set1_epi32(offset)));
+      if constexpr (Bits == 4) {
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(sxm)), acc[m]);
+        acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(sxm * static_cast<float>(xsm)), acc[m]);
+      } else {
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(sxm), acc[m]);
+      }
+    }
+  }
+  if constexpr (Bits == 8) {
+    __m512 sw = _mm512_loadu_ps(static_cast<const float*>(scales) + nb * 16);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_mul_ps(acc[m], sw);
+  }
+  for (int m = 0; m < M; ++m) store_bf16x16(y + (m0 + m) * N + nb * 16, acc[m]);
+}
+
+template <int Bits>
+void linear(const uint16_t* x, const uint8_t* w, const void* scales, uint16_t* y, int64_t M, int64_t N, int64_t K,
+            int threads) {
+  const Activations a(x, M, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t nb = 0; nb < N / 16; ++nb) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
+        case 1: channel_block<1, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        case 2: channel_block<2, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        case 3: channel_block<3, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        case 4: channel_block<4, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        case 5: channel_block<5, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        case 6: channel_block<6, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        case 7: channel_block<7, Bits>(w, scales, a, y, N, K, nb, m0); break;
+        default: channel_block<kRowsPerPass, Bits>(w, scales, a, y, N, K, nb, m0); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// 1 where this CPU has AVX512-VNNI, 0 where not (the caller keeps torch's kernels).
+extern "C" int pdserve_quant_linear_supported() { return 1; }
+
+// x [M, K] bfloat16, packed and sw as above -> y [M, N] bfloat16.
+extern "C" void pdserve_int8_linear_bf16(const uint16_t* x, const uint8_t* packed, const float* sw, uint16_t* y,
+                                         int64_t M, int64_t N, int64_t K, int threads) {
+  linear<8>(x, packed, sw, y, M, N, K, threads);
+}
+
+// x [M, K] bfloat16, packed and sz as above -> y [M, N] bfloat16.
+extern "C" void pdserve_int4_linear_bf16(const uint16_t* x, const uint8_t* packed, const uint16_t* sz, uint16_t* y,
+                                         int64_t M, int64_t N, int64_t K, int threads) {
+  linear<4>(x, packed, sz, y, M, N, K, threads);
+}
+
+#else
+
+extern "C" int pdserve_quant_linear_supported() { return 0; }
+extern "C" void pdserve_int8_linear_bf16(const uint16_t*, const uint8_t*, const float*, uint16_t*, int64_t, int64_t,
+                                         int64_t, int) {}
+extern "C" void pdserve_int4_linear_bf16(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t,
+                                         int64_t, int64_t, int) {}
+
+#endif
