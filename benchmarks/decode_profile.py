@@ -108,10 +108,11 @@ def decode_bound_s(engine: LLMEngine, batch: int, context: int, bandwidth: float
     head = mc.hidden_size * mc.vocab_size
     flops = model_flops_per_token(mc)
     weights = weight_bytes(mc, itemsize, engine.cfg.quantization, engine.cfg.lm_head_quantization)
+    head_bytes = weights - weight_bytes(mc, itemsize, engine.cfg.quantization, "none") + head * itemsize
     kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     return {
-        "linear": max((weights - head * itemsize) / bandwidth / 1e9, batch * (flops - 2 * head) / peak / 1e12),
-        "lm_head": max(head * itemsize / bandwidth / 1e9, batch * 2 * head / peak / 1e12),
+        "linear": max((weights - head_bytes) / bandwidth / 1e9, batch * (flops - 2 * head) / peak / 1e12),
+        "lm_head": max(head_bytes / bandwidth / 1e9, batch * 2 * head / peak / 1e12),
         "attention": kv / bandwidth / 1e9,
     }
 
@@ -125,6 +126,7 @@ def profile_batch(args, batch: int, bandwidth: float, timers: Timers, torch_prof
         enable_prefix_caching=False,
         torch_threads=args.threads,
         quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
     )
     engine = LLMEngine(cfg)
     rng = random.Random(0)
@@ -199,6 +201,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
+    p.add_argument("--lm-head-quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
     args = p.parse_args()

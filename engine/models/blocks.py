@@ -59,9 +59,7 @@ class Attention:
             qk[..., : cos.shape[-1]] = rot
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-        flat = cache.view(2, -1, Hkv, D)  # [2, num_slots, Hkv, D]
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        self.ops.write_kv(cache, k, v, meta.slot_mapping)
         if meta.is_prefill:
             out = self.backend.prefill(q, k, v, cache[0], cache[1], meta)
         else:

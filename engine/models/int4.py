@@ -107,11 +107,11 @@ class Int4Linear:
         groups = q.view(n, k // group_size, group_size).to(torch.uint8)
         half = group_size // 2
         self.nibbles = (groups[..., :half] << 4 | groups[..., half:]).contiguous()
-        self._vnni = _vnni_kernel(weight, group_size)
+        self._vnni = _vnni_linear(weight, q, self.scales_and_zeros, group_size)
         self.vnni_rows = VNNI_MAX_ROWS if self._vnni is not None else 0
         self.kernel_rows = self.vnni_rows or TORCH_KERNEL_MAX_ROWS
         if self.vnni_rows:
-            self.packed, self._vnni_sz = pack_for_vnni(q, self.scales_and_zeros)
+            self.packed = self._vnni.packed
         elif self.cuda:  # tinygemm's input: two a byte along K, the even column in the high nibble
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
@@ -131,16 +131,12 @@ class Int4Linear:
         return w.mul_(self._scale).add_(self._offset).view(n, -1).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        m, k = x2.shape
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        m = x2.shape[0]
         if m > self.kernel_rows:
             y = F.linear(x2, self._weight(x2.dtype))
         elif self.vnni_rows and x2.dtype == torch.bfloat16:
-            y = torch.empty(m, self.out_features, dtype=x2.dtype)
-            self._vnni(
-                x2.data_ptr(), self.packed.data_ptr(), self._vnni_sz.data_ptr(), y.data_ptr(), m, self.out_features, k,
-                torch.get_num_threads(),
-            )  # fmt: skip
+            y = self._vnni(x2)
         elif self.vnni_rows:  # activations in another dtype than the weight's (not built by the engine)
             y = F.linear(x2, self._weight(x2.dtype))
         elif self.cuda:
@@ -149,7 +145,7 @@ class Int4Linear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y += self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear computes with, float32 [out_features, in_features]."""
@@ -175,15 +171,16 @@ def pack_for_vnni(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torc
     return (low | high << 4).contiguous(), sz
 
 
-def _vnni_kernel(weight: torch.Tensor, group_size: int):
-    """``pdserve_int4_linear_bf16`` for this bfloat16 CPU weight, or None where it cannot run (no
-    AVX512-VNNI, no compiler, another group size, a shape off its multiples)."""
+def _vnni_linear(weight: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+    """``csrc/quant_linear.cpp``'s int4 kernel over ``q`` packed (``pack_for_vnni``), or None where it
+    cannot run (not a bfloat16 CPU weight, no AVX512-VNNI, no compiler, another group size, a shape
+    off its multiples)."""
     n, k = weight.shape
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or group_size != 32 or n % 16 or k % 32:
         return None
-    from pdserve.engine.models.kernels import vnni_kernel
+    from pdserve.engine.models.kernels import vnni_linear
 
-    return vnni_kernel("pdserve_int4_linear_bf16")
+    return vnni_linear("pdserve_int4_linear_bf16", *pack_for_vnni(q, scales_and_zeros), n)
 
 
 def int4_unsupported(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str | None:

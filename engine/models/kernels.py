@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from pdserve.engine.models.dtype import cpu_flags
 from pdserve.engine.models.embedded import default_cache_dir
 
@@ -37,6 +39,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_rope_bf16": [_P, _P, _P, _I, _I, _I, _I, _N],
     "pdserve_int8_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_int4_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
+    "pdserve_write_kv": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
 }
 ATTENTION_SYMBOLS = {
     "float32": "pdserve_paged_attention_f32",
@@ -88,11 +91,32 @@ def load_cpu_kernels() -> ctypes.CDLL:
     return lib
 
 
-def vnni_kernel(symbol: str):
-    """``csrc/quant_linear.cpp``'s ``symbol`` (``pdserve_int8_linear_bf16`` or
-    ``pdserve_int4_linear_bf16``), or None where it cannot run: no AVX512-VNNI, or no kernels here."""
+class VnniLinear:
+    """One quantized weight's calls into ``csrc/quant_linear.cpp``: ``symbol``
+    (``pdserve_int8_linear_bf16`` or ``pdserve_int4_linear_bf16``) over ``packed`` and ``scales`` in
+    that file's layout, on ``torch.get_num_threads()`` threads. Pointers are read once, at build:
+    the per-call cost is one ctypes call and one output tensor (about 3 µs)."""
+
+    def __init__(self, fn, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> None:
+        self.fn, self.packed, self.scales, self.out_features = fn, packed, scales, out_features
+        self._packed_ptr, self._scales_ptr = packed.data_ptr(), scales.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16, contiguous -> y [M, out_features] bfloat16."""
+        m, k = x.shape
+        y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        self.fn(x.data_ptr(), self._packed_ptr, self._scales_ptr, y.data_ptr(), m, self.out_features, k,
+                torch.get_num_threads())  # fmt: skip
+        return y
+
+
+def vnni_linear(symbol: str, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> VnniLinear | None:
+    """A ``VnniLinear`` for ``symbol``, or None where it cannot run: no AVX512-VNNI, or no kernels
+    here (``KernelUnavailable``)."""
     try:
         lib = load_cpu_kernels()
     except KernelUnavailable:
         return None
-    return getattr(lib, symbol) if lib.pdserve_quant_linear_supported() else None
+    if not lib.pdserve_quant_linear_supported():
+        return None
+    return VnniLinear(getattr(lib, symbol), packed, scales, out_features)

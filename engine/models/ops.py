@@ -1,8 +1,10 @@
-"""The decoder's elementwise ops (RMSNorm with residual add, SiLU-and-multiply, RoPE), chosen once.
+"""The decoder's elementwise ops (RMSNorm with residual add, SiLU-and-multiply, RoPE, the KV cache
+write), chosen once.
 
 ``TorchOps`` is transformers' eager arithmetic op for op, so float32 output stays token-identical
 to ``generate()``. ``CpuBf16Ops`` runs each as one fused C++ pass (``csrc/elementwise_bf16.cpp``)
-on bfloat16 CPU tensors, where eager torch makes 3-8 passes and float32 round trips; it rounds
+on bfloat16 CPU tensors (the KV write: ``csrc/paged_attention.cpp``, one call a layer), where eager
+torch makes 3-8 passes and float32 round trips; it rounds
 where eager bf16 rounds, so it differs only by an ulp where exp() or a sum order does.
 """
 
@@ -38,6 +40,12 @@ class ElementwiseOps(Protocol):
         [num_tokens, head_dim] (RoFormer, Su et al. 2021; rotate-half layout)."""
         ...
 
+    def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k and v [num_tokens, num_kv_heads, head_dim] (each row contiguous) into one layer's
+        contiguous cache [2, num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping
+        [num_tokens] int64 (slot = block * block_size + offset)."""
+        ...
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in float32, cast back, then scaled (transformers' LlamaRMSNorm)."""
@@ -67,16 +75,22 @@ class TorchOps:
     def rope_(self, x, cos, sin):
         x.copy_(x * cos[:, None, :] + rotate_half(x) * sin[:, None, :])
 
+    def write_kv(self, cache, k, v, slot_mapping):
+        flat = cache.view(2, -1, *k.shape[1:])  # [2, num_slots, num_kv_heads, head_dim]
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
+
 
 class CpuBf16Ops:
     name = "cpu-bf16"
 
     def __init__(self) -> None:
         lib = load_cpu_kernels()
-        self._norm, self._silu, self._rope = (
+        self._norm, self._silu, self._rope, self._write_kv = (
             lib.pdserve_add_rms_norm_bf16,
             lib.pdserve_silu_mul_bf16,
             lib.pdserve_rope_bf16,
+            lib.pdserve_write_kv,
         )
 
     def add_rms_norm(self, residual, delta, weight, eps):
@@ -104,6 +118,13 @@ class CpuBf16Ops:
         self._rope(
             x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, x.stride(0), torch.get_num_threads()
         )
+
+    def write_kv(self, cache, k, v, slot_mapping):
+        size = k.element_size()
+        self._write_kv(
+            cache.data_ptr(), cache.stride(0) * size, k.data_ptr(), k.stride(0) * size, v.data_ptr(),
+            v.stride(0) * size, slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * size,
+        )  # fmt: skip
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> ElementwiseOps:

@@ -41,7 +41,7 @@ from pdserve.engine.models.int4 import (  # noqa: F401 (the int4 scheme's names,
     int4_unsupported,
     quantize_int4,
 )
-from pdserve.engine.models.kernels import vnni_kernel
+from pdserve.engine.models.kernels import vnni_linear
 
 log = logging.getLogger(__name__)
 # Calls of at most this many rows (decode steps) run torch's weight-only kernels, whose cost grows by
@@ -88,10 +88,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
-
-
 def pack_int8_for_vnni(q: torch.Tensor) -> torch.Tensor:
     """``csrc/quant_linear.cpp``'s layout of an int8 weight q [N, K]: uint8 [N / 16, K / 32, 8, 16, 4],
     byte [nb, g, p, l, b] = q[16 nb + l, 32 g + 4 p + b] + 128. Raises ValueError unless N % 16 == 0
@@ -118,14 +114,11 @@ class Int8Linear:
         self.scales, self.bias = scales.to(weight.dtype), bias
         self.out_features, self.in_features = weight.shape
         n, k = weight.shape
-        on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self._vnni = vnni_kernel("pdserve_int8_linear_bf16") if on_cpu_bf16 and not (n % 16 or k % 32) else None
+        self._vnni = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not (n % 16 or k % 32):
+            self._vnni = vnni_linear("pdserve_int8_linear_bf16", pack_int8_for_vnni(q), scales.float().contiguous(), n)
         self.vnni_rows = VNNI_MAX_ROWS if self._vnni is not None else 0
-        if self.vnni_rows:
-            self.packed, self.qweight = pack_int8_for_vnni(q), None
-        else:
-            self.packed, self.qweight = None, q
-        self._scales_f32 = scales.float().contiguous()
+        self.packed, self.qweight = (self._vnni.packed, None) if self._vnni is not None else (None, q)
 
     def _int8_weight(self) -> torch.Tensor:
         """q [N, K] int8, unpacked from ``packed`` where the VNNI kernel runs."""
@@ -135,21 +128,17 @@ class Int8Linear:
         return (unsigned.to(torch.int16) - 128).to(torch.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _rows(x)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         m = x2.shape[0]
         if m <= self.vnni_rows and x2.dtype == torch.bfloat16:
-            y = torch.empty(m, self.out_features, dtype=x2.dtype)
-            self._vnni(
-                x2.data_ptr(), self.packed.data_ptr(), self._scales_f32.data_ptr(), y.data_ptr(), m,
-                self.out_features, self.in_features, torch.get_num_threads(),
-            )  # fmt: skip
+            y = self._vnni(x2)
         elif m <= KERNEL_MAX_ROWS["int8"] and self.qweight is not None:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:  # the weight dequantized for the call: N * K products, where scaling y would cost M * N
             y = F.linear(x2, self._int8_weight().to(x2.dtype).mul_(self.scales[:, None]))
         if self.bias is not None:
             y += self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear computes with, float32 [out_features, in_features]."""

@@ -370,3 +370,17 @@ int pdserve_max_head_dim() { return kMaxHeadDim; }
 PDSERVE_ATTENTION(pdserve_paged_attention_f32, float)
 PDSERVE_ATTENTION(pdserve_paged_attention_bf16, uint16_t)
 PDSERVE_ATTENTION(pdserve_paged_attention_f16, _Float16)
+
+// This step's K and V rows into one layer's cache, at their slots: k and v [T, row_bytes] with row
+// strides k_stride / v_stride bytes (views into the q|k|v GEMM's output), the cache's K plane at
+// `cache`, its V plane `plane_bytes` further, slot s at s * row_bytes in each. A negative slot is
+// skipped. One call per layer where torch's index_copy_ takes two (about 6 us each at one row).
+extern "C" void pdserve_write_kv(char* cache, int64_t plane_bytes, const char* k, int64_t k_stride, const char* v,
+                                 int64_t v_stride, const int64_t* slots, int64_t T, int64_t row_bytes) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    char* dst = cache + slots[t] * row_bytes;
+    std::memcpy(dst, k + t * k_stride, row_bytes);
+    std::memcpy(dst + plane_bytes, v + t * v_stride, row_bytes);
+  }
+}

@@ -87,7 +87,7 @@ def test_the_weight_is_quantized_as_torch_path_quantizes_it():
     w[1] *= 20
     q, sz = quantize_int4(w, GROUP, torch.bfloat16)
     packed, psz = pack_for_vnni(q, sz)
-    assert torch.equal(lin.packed, packed) and torch.equal(lin._vnni_sz, psz)
+    assert torch.equal(lin.packed, packed) and torch.equal(lin._vnni.scales, psz)
 
 
 def test_not_taken_where_it_cannot_run():

@@ -60,6 +60,24 @@ def test_rope_in_place_on_a_strided_view(fused, heads, head_dim):
     assert torch.equal(ours[:, heads * head_dim :], qkv[:, heads * head_dim :])  # the rest untouched
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_write_kv_puts_each_row_at_its_slot_from_strided_views(fused, rows):
+    heads, kv_heads, head_dim, blocks, block_size = 4, 2, 16, 3, 4
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(BF16)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen).to(BF16)
+    ref, ours = cache.clone(), cache.clone()
+    TorchOps().write_kv(ref, k, v, slots)
+    fused.write_kv(ours, k, v, slots)
+    assert torch.equal(ours, ref)
+    flat = ours.view(2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
+    assert (ours != cache).any()
+
+
 def test_selection():
     assert select_ops(torch.device("cpu"), BF16).name == "cpu-bf16"
     assert select_ops(torch.device("cpu"), torch.float32).name == "torch"  # the exact float32 path
