@@ -5,10 +5,10 @@
 the group's range in 15 steps, or is the step of a grid the group already lies on (``_grid_step``:
 GGUF's Q4 blocks). Kernels, by where the linear runs:
 
-* CPU with AVX512-VNNI, bfloat16 activations: ``csrc/quant_linear.cpp``, up to ``VNNI_MAX_ROWS``
-  rows, over its own layout (``pack_for_vnni``); it quantizes the activations to int8 per group of
-  32 inputs (as llama.cpp's Q4_0 x Q8_0 dot does), whose error tests/engine/models/test_int4_vnni.py
-  bounds.
+* CPU with AVX512-VNNI, bfloat16 activations: ``csrc/quant_linear.cpp``, up to
+  ``vnni_max_rows()`` rows (every call where the CPU has no AMX), over its own layout
+  (``pack_for_vnni``); it quantizes the activations to int8 per group of 32 inputs (as llama.cpp's
+  Q4_0 x Q8_0 dot does), whose error tests/engine/models/test_int4_vnni.py bounds.
 * Other CPUs: ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``,
   up to ``TORCH_KERNEL_MAX_ROWS`` rows.
 * CUDA: ``aten._convert_weight_to_int4pack`` + ``aten._weight_int4pack_mm`` (bfloat16 only), up to
@@ -24,17 +24,30 @@ scale and zero), and group sizes 32 and 64 ran within 5 % of each other in torch
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine.models.dtype import cpu_flags
 
 INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
 # Rows up to which torch's int4 kernels beat the dequantized GEMM: about 48 on SmolLM2's shapes, one
 # and two threads (docs/measurements.md)
 TORCH_KERNEL_MAX_ROWS = 48
-# Rows up to which csrc/quant_linear.cpp runs (int8 and int4): at 512 rows int4 still took 0.4-0.9x
-# the dequantized GEMM's time on SmolLM2's shapes, two threads of an AMD EPYC (docs/measurements.md)
-VNNI_MAX_ROWS = 512
+# Rows up to which csrc/quant_linear.cpp runs (int8 and int4) on a CPU with AMX, whose bfloat16
+# GEMM over the dequantized weight is several times faster on prefill-sized calls. Not measured: the
+# kernel ran 4x faster than torch's weight-only kernels at 1-8 rows, which met the dequantized AMX
+# GEMM at 24-48 rows (docs/measurements.md). Without AMX the kernels take every call: on SmolLM2's
+# shapes they beat even the plain bfloat16 GEMM at 2,048 rows (AMD EPYC, AVX512-BF16, 2 threads).
+AMX_VNNI_MAX_ROWS = 128
+
+
+def vnni_max_rows() -> int:
+    """Rows up to which the AVX512-VNNI kernels run a call: ``AMX_VNNI_MAX_ROWS`` on a CPU with AMX,
+    else every call (``sys.maxsize``)."""
+    return AMX_VNNI_MAX_ROWS if "amx_bf16" in cpu_flags() else sys.maxsize
 
 
 def _grid_step(w: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
@@ -91,7 +104,7 @@ class Int4Linear:
     """y = x @ dequantize(q).T + bias for x [T, in_features] -> [T, out_features]; groups of
     ``group_size`` inputs share a scale and a zero (``quantize_int4``).
 
-    ``kernel_rows`` (``vnni_rows``, ``VNNI_MAX_ROWS`` where the VNNI kernel runs, else
+    ``kernel_rows`` (``vnni_rows``, ``vnni_max_rows()`` where the VNNI kernel runs, else
     ``TORCH_KERNEL_MAX_ROWS``, ``vnni_rows`` then 0): calls
     of up to that many rows run the kernel of the module docstring over its packed layout; more rows
     dequantize the weight for the call from ``nibbles`` and run the model dtype's GEMM. ``nibbles``
@@ -108,7 +121,7 @@ class Int4Linear:
         half = group_size // 2
         self.nibbles = (groups[..., :half] << 4 | groups[..., half:]).contiguous()
         self._vnni = _vnni_linear(weight, q, self.scales_and_zeros, group_size)
-        self.vnni_rows = VNNI_MAX_ROWS if self._vnni is not None else 0
+        self.vnni_rows = vnni_max_rows() if self._vnni is not None else 0
         self.kernel_rows = self.vnni_rows or TORCH_KERNEL_MAX_ROWS
         if self.vnni_rows:
             self.packed = self._vnni.packed

@@ -7,13 +7,13 @@ CPU kernels, which quantize them to int8 per block:
 
 * ``int8`` (``Int8Linear``, here): symmetric, one scale per output channel: ``w[n, k] ~= q[n, k] *
   scale[n]`` with ``q`` in [-127, 127], ``scale[n] = max_k |w[n, k]| / 127``. Kernels:
-  ``csrc/quant_linear.cpp`` on AVX512-VNNI CPUs (bfloat16 calls of up to ``VNNI_MAX_ROWS`` rows), else
-  ``aten._weight_int8pack_mm`` (CPU and CUDA), which takes the int8 weight [N, K] and the scales [N]
-  as they are, up to ``KERNEL_MAX_ROWS["int8"]`` rows.
+  ``csrc/quant_linear.cpp`` on AVX512-VNNI CPUs (bfloat16 calls of up to ``vnni_max_rows()`` rows:
+  all where the CPU has no AMX), else ``aten._weight_int8pack_mm`` (CPU and CUDA), which takes the
+  int8 weight [N, K] and the scales [N] as they are, up to ``KERNEL_MAX_ROWS["int8"]`` rows.
 * ``int4`` (``Int4Linear``, engine/models/int4.py): asymmetric, group-wise over 32 inputs, the
   "tinygemm" convention; its kernels and their row limits are described there.
 
-Larger calls (prefill) dequantize the weight and run the dense GEMM. Scales and zeros are stored in
+Larger calls dequantize the weight for the call and run the dense GEMM. Scales and zeros are stored in
 the activation dtype, as the kernels read them. A linear the int4 kernel cannot take
 (``int4_unsupported``) stays in the model dtype, with a log line.
 
@@ -35,11 +35,11 @@ from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.models.int4 import (  # noqa: F401 (the int4 scheme's names, re-exported)
     INT4_GROUP_SIZE,
     TORCH_KERNEL_MAX_ROWS,
-    VNNI_MAX_ROWS,
     Int4Linear,
     dequantize_int4,
     int4_unsupported,
     quantize_int4,
+    vnni_max_rows,
 )
 from pdserve.engine.models.kernels import vnni_linear
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # about one weight pass per row; more rows dequantize the weight for the call and run the dense
 # GEMM, whose cost per row is far lower. The kernels and the dequantized GEMM cost the same at about
 # 24 rows (int8) and 48 rows (int4) on SmolLM2's shapes, one and two threads (docs/measurements.md).
-# The AVX512-VNNI int4 kernel runs far more rows (Int4Linear.kernel_rows).
+# The AVX512-VNNI kernels run far more rows (vnni_max_rows).
 KERNEL_MAX_ROWS = {"int8": 24, "int4": TORCH_KERNEL_MAX_ROWS}
 
 _warned: list[bool] = []  # the float32 warning is logged once a process
@@ -103,7 +103,7 @@ class Int8Linear:
     """y = x @ (q * scale).T + bias for x [T, in_features] in the model dtype -> [T, out_features].
 
     On a CPU with AVX512-VNNI and bfloat16 activations (and out_features % 16 == 0, in_features % 32
-    == 0), calls of up to ``vnni_rows`` rows (``VNNI_MAX_ROWS``) run ``csrc/quant_linear.cpp`` over
+    == 0), calls of up to ``vnni_rows`` rows (``vnni_max_rows()``) run ``csrc/quant_linear.cpp`` over
     ``packed`` (``pack_int8_for_vnni``), which also quantizes x to int8 per group of 32 inputs (its
     error is stated in docs/models.md); elsewhere calls of up to ``KERNEL_MAX_ROWS["int8"]`` rows run
     ``_weight_int8pack_mm`` (weight-only) over ``qweight``. More rows (a prefill, a large decode batch)
@@ -117,7 +117,7 @@ class Int8Linear:
         self._vnni = None
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not (n % 16 or k % 32):
             self._vnni = vnni_linear("pdserve_int8_linear_bf16", pack_int8_for_vnni(q), scales.float().contiguous(), n)
-        self.vnni_rows = VNNI_MAX_ROWS if self._vnni is not None else 0
+        self.vnni_rows = vnni_max_rows() if self._vnni is not None else 0
         self.packed, self.qweight = (self._vnni.packed, None) if self._vnni is not None else (None, q)
 
     def _int8_weight(self) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The int4 x int8 CPU kernel (engine/models/csrc/int4_linear.cpp) that ``Int4Linear`` runs for
-bfloat16 calls of up to ``VNNI_MAX_ROWS`` rows where the CPU has AVX512-VNNI: its packed layout,
+bfloat16 calls of up to ``vnni_max_rows()`` rows where the CPU has AVX512-VNNI: its packed layout,
 its output against the dequantized weight, row by row independent of the batch, and where it is not
 taken. The kernel tests skip on CPUs without AVX512-VNNI; the layout test runs everywhere.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.models.int4 import VNNI_MAX_ROWS, Int4Linear, pack_for_vnni, quantize_int4
+from pdserve.engine.models.int4 import Int4Linear, pack_for_vnni, quantize_int4
 from tests.engine.models.test_int8_vnni import activation_bound
 
 SHAPES = [(96, 576), (208, 1536), (3072, 64)]  # [out_features, in_features]
@@ -77,7 +77,8 @@ def test_a_row_does_not_depend_on_the_batch():
 
 def test_more_rows_run_the_dequantized_gemm():
     lin, g = _linear((96, 576))
-    x = torch.randn(VNNI_MAX_ROWS + 1, 576, generator=g).bfloat16()
+    lin.vnni_rows = lin.kernel_rows = 8  # as on a CPU with AMX, with a smaller limit
+    x = torch.randn(9, 576, generator=g).bfloat16()
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.dequantized().bfloat16()))
 
 
@@ -97,3 +98,12 @@ def test_not_taken_where_it_cannot_run():
     lin = Int4Linear(torch.randn(64, 64), None)
     x = torch.randn(3, 64)
     torch.testing.assert_close(lin(x), x @ lin.dequantized().T, rtol=1e-4, atol=1e-4)
+
+
+def test_the_row_limit_holds_only_where_amx_makes_the_dense_gemm_faster(monkeypatch):
+    from pdserve.engine.models import int4
+
+    monkeypatch.setattr(int4, "cpu_flags", lambda: {"avx512_vnni", "amx_bf16"})
+    assert int4.vnni_max_rows() == int4.AMX_VNNI_MAX_ROWS
+    monkeypatch.setattr(int4, "cpu_flags", lambda: {"avx512_vnni", "avx512_bf16"})
+    assert int4.vnni_max_rows() > 1_000_000
