@@ -1,4 +1,4 @@
-"""The int4 x int8 CPU kernel (engine/models/csrc/int4_linear.cpp) that ``Int4Linear`` runs for
+"""The int4 x int8 CPU kernel (engine/models/csrc/quant_linear.cpp) that ``Int4Linear`` runs for
 bfloat16 calls of up to ``vnni_max_rows()`` rows where the CPU has AVX512-VNNI: its packed layout,
 its output against the dequantized weight, row by row independent of the batch, and where it is not
 taken. The kernel tests skip on CPUs without AVX512-VNNI; the layout test runs everywhere.
