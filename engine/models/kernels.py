@@ -40,6 +40,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_int8_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_int4_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_write_kv": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
+    "pdserve_gemma_rms_norm_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _F, _N],
 }
 ATTENTION_SYMBOLS = {
     "float32": "pdserve_paged_attention_f32",

@@ -186,4 +186,40 @@ void pdserve_rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
   }
 }
 
+// Gemma's RMSNorm (transformers' Gemma2RMSNorm / Gemma3RMSNorm): out = bf16(x * rsqrt(mean(x^2) + eps)
+// * weight1), all in float32 and rounded once, weight1 = 1 + w in float32. Row t holds `heads` vectors
+// of `dim` (1 for a layer's norm; the heads of q and k for Gemma 3's q/k norm, head s normalized with
+// weight1[s * dim ..]), at x + t * x_stride and out + t * out_stride.
+void pdserve_gemma_rms_norm_bf16(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
+                                 const float* weight1, int64_t rows, int64_t heads, int64_t dim, float eps,
+                                 int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * dim >= kParallelElements)
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* xr = x + t * x_stride + h * dim;
+      uint16_t* o = out + t * out_stride + h * dim;
+      const float* w = weight1 + h * dim;
+#if defined(__AVX512F__)
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 16) {
+        const __m512 v = load_bf16(xr + i, tail_mask(dim - i));
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const __m512 vinv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(dim) + eps));
+      for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = tail_mask(dim - i);
+        const __m512 v = _mm512_mul_ps(load_bf16(xr + i, m), vinv);
+        store_bf16(o + i, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)), m);
+      }
+#else
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) sum += bf(xr[i]) * bf(xr[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) o[i] = to_bf(bf(xr[i]) * inv * w[i]);
+#endif
+    }
+  }
+}
+
 }  // extern "C"

@@ -20,6 +20,7 @@ model's names and leaves the vision tower and projector unloaded.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,9 +44,31 @@ RENAMES = (
 
 def gemma_rms_norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``Gemma2RMSNorm``: RMSNorm in float32 times ``1 + w``, cast back to x's dtype;
-    ``weight1`` holds ``1 + w`` in float32 (``_plus_one``)."""
+    ``weight1`` holds ``1 + w`` in float32 (``_plus_one``), [dim] or, for x [T, heads, dim], [heads,
+    dim]. bfloat16 CPU tensors take one C++ pass (``csrc/elementwise_bf16.cpp``), the same float32
+    arithmetic but for the order of the sum of squares."""
+    fn = _cpu_norm_kernel() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+    dim = x.shape[-1]
+    if fn is not None and x.stride(-1) == 1 and (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == dim)):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        heads = 1 if x.dim() == 2 else x.shape[1]
+        w = weight1.float().contiguous()
+        fn(out.data_ptr(), heads * dim, x.data_ptr(), x.stride(0), w.data_ptr(), x.shape[0], heads, dim, eps,
+           torch.get_num_threads())  # fmt: skip
+        return out
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight1).to(x.dtype)
+
+
+@functools.cache
+def _cpu_norm_kernel():
+    """``pdserve_gemma_rms_norm_bf16``, or None where the C++ kernels cannot be built here."""
+    from pdserve.engine.models.kernels import KernelUnavailable, load_cpu_kernels
+
+    try:
+        return load_cpu_kernels().pdserve_gemma_rms_norm_bf16
+    except KernelUnavailable:
+        return None
 
 
 def _plus_one(w: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,27 @@ def test_write_kv_puts_each_row_at_its_slot_from_strided_views(fused, rows):
     assert (ours != cache).any()
 
 
+@pytest.mark.parametrize("heads", [0, 1, 4])  # 0: a [rows, hidden] tensor; else q/k heads of a q|k|v row
+def test_gemma_rms_norm_kernel_matches_torch(heads):
+    from pdserve.engine.models.families import gemma
+
+    gen = torch.Generator().manual_seed(heads)
+    rows, dim = 7, 80  # 80: a tail of 16-lane vectors
+    if heads:
+        qkv = (3 * torch.randn(rows, (heads + 2) * dim, generator=gen)).to(BF16)
+        x = qkv[:, : heads * dim].view(rows, heads, dim)  # strided: the rows skip the 2 extra heads
+        weight1 = 1 + 0.2 * torch.randn(heads, dim, generator=gen)
+    else:
+        x = (3 * torch.randn(rows, dim, generator=gen)).to(BF16)
+        weight1 = 1 + 0.2 * torch.randn(dim, generator=gen)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight1).to(BF16)
+    got = gemma.gemma_rms_norm(x, weight1, 1e-6)
+    assert gemma._cpu_norm_kernel() is not None and got.shape == x.shape
+    assert ulps_apart(got, want).max() <= 1
+    assert (got == want).float().mean() > 0.95
+
+
 def test_selection():
     assert select_ops(torch.device("cpu"), BF16).name == "cpu-bf16"
     assert select_ops(torch.device("cpu"), torch.float32).name == "torch"  # the exact float32 path
