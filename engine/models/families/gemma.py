@@ -53,7 +53,7 @@ def gemma_rms_norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.
         out = torch.empty(x.shape, dtype=x.dtype)
         heads = 1 if x.dim() == 2 else x.shape[1]
         w = weight1.float().contiguous()
-        fn(out.data_ptr(), heads * dim, x.data_ptr(), x.stride(0), w.data_ptr(), x.shape[0], heads, dim, eps,
+        fn(out.data_ptr(), heads * dim, x.data_ptr(), x.stride(0), w.data_ptr(), x.shape[0], heads, dim, float(eps),
            torch.get_num_threads())  # fmt: skip
         return out
     xf = x.float()
