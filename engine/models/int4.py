@@ -8,7 +8,7 @@ GGUF's Q4 blocks). Kernels, by where the linear runs:
 * CPU with AVX512-VNNI, bfloat16 activations: ``csrc/quant_linear.cpp``, up to
   ``vnni_max_rows()`` rows (every call where the CPU has no AMX), over its own layout
   (``pack_for_vnni``); it quantizes the activations to int8 per group of 32 inputs (as llama.cpp's
-  Q4_0 x Q8_0 dot does), whose error tests/engine/models/test_int4_vnni.py bounds.
+  Q4_0 x Q8_0 dot does), whose error tests/engine/models/test_vnni_kernels.py bounds.
 * Other CPUs: ``aten._convert_weight_to_int4pack_for_cpu`` + ``aten._weight_int4pack_mm_for_cpu``,
   up to ``TORCH_KERNEL_MAX_ROWS`` rows.
 * CUDA: ``aten._convert_weight_to_int4pack`` + ``aten._weight_int4pack_mm`` (bfloat16 only), up to

@@ -30,7 +30,7 @@ from pdserve.engine.models.quant import (
     quantize_int8,
 )
 from tests.engine.models._layout_cases import NEEDS_TOKENIZER
-from tests.engine.models.test_int8_vnni import activation_bound
+from tests.engine.models.test_vnni_kernels import activation_bound
 
 SHAPES = [(64, 32), (96, 576), (208, 1536)]  # [out_features, in_features]; out % 16 == 0 for int4
 ROWS = [1, 5, max(KERNEL_MAX_ROWS.values()) + 8]  # decode-sized calls run the kernels, the last a dense GEMM
@@ -110,8 +110,7 @@ def test_linear_matches_its_dequantized_weight(cls, dtype, shape, bias):
         ref = x.float() @ deq.T + (b.float() if bias else 0)
         err = (y.float() - ref).abs()
         if rows <= lin.vnni_rows and dtype == torch.bfloat16:  # x quantized too: its bound
-            block = 32 if cls is Int4Linear else 16  # inputs per activation scale
-            assert (err - activation_bound(x, deq, block) - TOLERANCE[dtype] * ref.abs()).max() <= 0, rows
+            assert (err - activation_bound(x, deq) - TOLERANCE[dtype] * ref.abs()).max() <= 0, rows
         else:
             assert err.max().item() <= TOLERANCE[dtype] * ref.abs().max().item(), (rows, err.max().item())
 
