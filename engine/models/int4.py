@@ -107,22 +107,25 @@ class Int4Linear:
     ``kernel_rows`` (``vnni_rows``, ``vnni_max_rows()`` where the VNNI kernel runs, else
     ``TORCH_KERNEL_MAX_ROWS``, ``vnni_rows`` then 0): calls
     of up to that many rows run the kernel of the module docstring over its packed layout; more rows
-    dequantize the weight for the call from ``nibbles`` and run the model dtype's GEMM. ``nibbles``
-    [N, G, group_size / 2] holds the same values two a byte, a group's first half in the high
-    nibbles and its second half in the low ones, so that each half dequantizes in one strided pass.
-    Memory: one byte per weight (``nibbles`` and the kernel's copy) plus a scale and a zero per group."""
+    dequantize the weight for the call and run the model dtype's GEMM. Where the VNNI kernel runs,
+    that reads its packed copy: half a byte per weight in all. Elsewhere it reads ``nibbles``
+    [N, G, group_size / 2], the same values two a byte, a group's first half in the high nibbles and
+    its second half in the low ones, beside torch's packed copy: one byte per weight. Plus a scale
+    and a zero per group."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = INT4_GROUP_SIZE) -> None:
         q, self.scales_and_zeros = quantize_int4(weight, group_size, weight.dtype)
         self.group_size, self.bias, self.out_features = group_size, bias, weight.shape[0]
         self.cuda = weight.device.type == "cuda"
         n, k = weight.shape
-        groups = q.view(n, k // group_size, group_size).to(torch.uint8)
-        half = group_size // 2
-        self.nibbles = (groups[..., :half] << 4 | groups[..., half:]).contiguous()
         self._vnni = _vnni_linear(weight, q, self.scales_and_zeros, group_size)
         self.vnni_rows = vnni_max_rows() if self._vnni is not None else 0
         self.kernel_rows = self.vnni_rows or TORCH_KERNEL_MAX_ROWS
+        self.nibbles = None
+        if not self.vnni_rows:
+            groups = q.view(n, k // group_size, group_size).to(torch.uint8)
+            half = group_size // 2
+            self.nibbles = (groups[..., :half] << 4 | groups[..., half:]).contiguous()
         if self.vnni_rows:
             self.packed = self._vnni.packed
         elif self.cuda:  # tinygemm's input: two a byte along K, the even column in the high nibble
@@ -134,13 +137,21 @@ class Int4Linear:
         self._scale = sz[..., :1].contiguous()  # [N, G, 1] float32
         self._offset = (sz[..., 1:] - 8.0 * sz[..., :1]).contiguous()  # zero - 8 * scale
 
+    def _halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q of each group's first and second half, uint8 [N, G, group_size / 2] each."""
+        if self.nibbles is not None:
+            return self.nibbles >> 4, self.nibbles & 15
+        n, g = self.out_features, self.packed.shape[1]  # packed [N / 16, G, 4, 16, 4] (pack_for_vnni)
+        first = (self.packed & 15).permute(0, 3, 1, 2, 4).reshape(n, g, 16)
+        return first, (self.packed >> 4).permute(0, 3, 1, 2, 4).reshape(n, g, 16)
+
     def _weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [N, K] in ``dtype``: ``q * scale + (zero - 8 * scale)`` in float32,
         rounded once."""
-        n, g, half = self.nibbles.shape
-        w = torch.empty(n, g, 2 * half, dtype=torch.float32, device=self.nibbles.device)
-        w[..., :half] = self.nibbles >> 4
-        w[..., half:] = self.nibbles & 15
+        first, second = self._halves()
+        n, g, half = first.shape
+        w = torch.empty(n, g, 2 * half, dtype=torch.float32, device=first.device)
+        w[..., :half], w[..., half:] = first, second
         return w.mul_(self._scale).add_(self._offset).view(n, -1).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pdserve.engine.models import int4
-from pdserve.engine.models.int4 import Int4Linear, pack_for_vnni, quantize_int4
+from pdserve.engine.models.int4 import Int4Linear, dequantize_int4, pack_for_vnni, quantize_int4
 from pdserve.engine.models.quant import Int8Linear, pack_int8_for_vnni, quantize_int8
 
 SHAPES = [(96, 576), (208, 1536), (1008, 64)]  # [out_features, in_features]
@@ -118,10 +118,13 @@ def test_the_int4_layout_puts_each_weight_where_the_kernel_reads_it():
         pack_for_vnni(torch.zeros(40, 64, dtype=torch.int32), torch.zeros(2, 40, 2))
 
 
-def test_int4_packs_the_weight_it_quantized():
+def test_int4_keeps_one_packed_copy_of_the_weight_it_quantized():
     lin, _ = _linear("int4", (96, 576))
-    packed, psz = pack_for_vnni(*quantize_int4(_weight((96, 576)), GROUP, torch.bfloat16))
+    q, sz = quantize_int4(_weight((96, 576)), GROUP, torch.bfloat16)
+    packed, psz = pack_for_vnni(q, sz)
     assert torch.equal(lin.packed, packed) and torch.equal(lin._vnni.scales, psz)
+    assert lin.nibbles is None  # half a byte per weight: the dequantized GEMM reads the packed copy
+    assert torch.equal(lin.dequantized(), dequantize_int4(q, sz))
 
 
 def test_not_taken_where_it_cannot_run():
