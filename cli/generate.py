@@ -1,7 +1,8 @@
 """``pdserve generate``: stream one completion from a running router to the terminal.
 
 The completion's text goes to stdout as it arrives; its finish reason, token counts, TTFT and TPOT
-go to stderr once it ends. On Ctrl-C, stdout gets a newline if its text ended mid-line, so that
+go to stderr once it ends. When stdout's reader goes away (``| head``), it stops quietly with exit status
+141, as ``cat`` does. On Ctrl-C, stdout gets a newline if its text ended mid-line, so that
 ``interrupted`` (stderr) starts a line of its own. Flags are checked against what the request can
 carry (the protobuf field's range, UTF-8 text), and a refusal names the flag.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 
 from pdserve.cli.serve import DEFAULT_PORT
@@ -98,6 +101,9 @@ def cmd_generate(args) -> int:
             sys.stdout.write("\n")
             sys.stdout.flush()
         raise
+    except BrokenPipeError:  # stdout's reader went away (`pdserve generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at the exit's flush
+        return 128 + signal.SIGPIPE  # as cat's exit status reads in the shell
 
 
 def add_generate_parser(sub) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -128,3 +129,32 @@ async def test_ctrl_c_mid_line_prints_interrupted_on_a_line_of_its_own():
             await proc.wait()
         await server.stop(0)
     assert seen.decode() == "Once upon\ninterrupted\n"
+
+
+class Chatty(generate_pb2_grpc.GenerateServiceServicer):
+    """Streams a line of text every millisecond until the call ends (at most 30 s)."""
+
+    async def Generate(self, request, context):
+        for _ in range(30_000):
+            yield PB.GenerateResponse(chunk=PB.Chunk(token_ids=[1], text="Once upon a time\n"))
+            await asyncio.sleep(0.001)
+
+
+async def test_a_reader_that_goes_away_ends_it_quietly(tmp_path):
+    server, port = await start_server(
+        [(generate_pb2_grpc.add_GenerateServiceServicer_to_server, Chatty(), "pdserve.v1.GenerateService")]
+    )
+    err, status = tmp_path / "stderr", tmp_path / "status"
+    command = shlex.join([*PDSERVE, "generate", "hi", "--router", f"127.0.0.1:{port}"])
+    pipeline = f"{command} 2>{err} | head -c 20; echo ${{PIPESTATUS[0]}} >{status}"
+    proc = await asyncio.create_subprocess_exec("bash", "-c", pipeline, stdout=asyncio.subprocess.PIPE)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await server.stop(0)
+    assert out == b"Once upon a time\nOnc"
+    assert "Traceback" not in err.read_text() and "BrokenPipe" not in err.read_text(), err.read_text()
+    assert status.read_text().strip() == "141"
