@@ -227,13 +227,21 @@ def format_result(r: ThroughputResult) -> str:
             f"(bound {r.decode_step_bound_ms:.2f} ms, {r.decode_fraction:.0%})",
             f"probes    matmul {r.matmul_tflops * 1e3:.3g} GFLOP/s at prefill rows, "
             f"{r.matmul_tflops_decode * 1e3:.3g} at {r.decode_batch} rows; memory read {r.memory_gbps:.3g} GB/s",
-            *(
-                [
-                    "warning: a figure is past its bound, so the probes were slowed by other work on this machine; "
-                    "rerun it on a quiet one"
-                ]
-                if max(r.prefill_fraction, r.decode_fraction, r.total_fraction) > 1
-                else []
-            ),
+            *([past_bound_warning(r)] if max(r.prefill_fraction, r.decode_fraction, r.total_fraction) > 1 else []),
         ]
+    )
+
+
+def past_bound_warning(r: ThroughputResult) -> str:
+    """Why a figure can pass its bound: with quantized linears, the bound's compute part is the
+    model dtype's GEMM probe, which int8 dot products (csrc/quant_linear.cpp) outrun; else the probes
+    ran slower than the engine did (other work on the machine, or a run too short to time)."""
+    if {r.quantization, r.lm_head_quantization} != {"none"}:
+        return (
+            "note: a figure is past its bound: the bound's compute part is the "
+            f"{r.dtype} GEMM probe, and quantized linears run int8 dot products, which outrun it"
+        )
+    return (
+        "warning: a figure is past its bound, so the probes were slowed by other work on this machine "
+        "(or the run is too short to time); rerun it on a quiet one"
     )

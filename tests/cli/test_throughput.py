@@ -113,6 +113,9 @@ def test_a_figure_past_its_bound_adds_a_warning(report):
     for name in ("prefill_fraction", "decode_fraction", "total_fraction"):
         text = format_result(dataclasses.replace(result, **{name: 1.2}))
         assert text.splitlines()[-1].startswith("warning: a figure is past its bound"), name
+    quantized = format_result(dataclasses.replace(result, quantization="int4", prefill_fraction=1.2))
+    assert quantized.splitlines()[-1].startswith("note: a figure is past its bound: the bound's compute part")
+    assert "warning" not in quantized
 
 
 def test_max_num_seqs_caps_the_decode_batch(embedded_dir):
