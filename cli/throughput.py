@@ -239,7 +239,7 @@ def past_bound_warning(r: ThroughputResult) -> str:
     if {r.quantization, r.lm_head_quantization} != {"none"}:
         return (
             "note: a figure is past its bound: the bound's compute part is the "
-            f"{r.dtype} GEMM probe, and quantized linears run int8 dot products, which outrun it"
+            f"{r.dtype} GEMM probe, which quantized linears can outrun (int8 dot products on AVX512-VNNI)"
         )
     return (
         "warning: a figure is past its bound, so the probes were slowed by other work on this machine "
