@@ -152,7 +152,9 @@ def run_throughput(
     bandwidth = memory_gbps(device)
 
     attn_flops = 2 * mc.num_layers * mc.num_heads * mc.head_dim * input_len * input_len  # causal QK^T + PV
-    prefill_bound = num_prompts * (input_len * model_flops_per_token(mc) + attn_flops) / (peak * 1e12)
+    head_flops = 2 * mc.hidden_size * mc.vocab_size  # lm_head runs on each prompt's last position only
+    prefill_flops = input_len * (model_flops_per_token(mc) - head_flops) + head_flops + attn_flops
+    prefill_bound = num_prompts * prefill_flops / (peak * 1e12)
     mean_ctx = input_len + output_len / 2
     kv_bytes = batch * mean_ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * itemsize
     step_bound = max(
