@@ -208,6 +208,8 @@ def cmd_serve(args) -> int:
     http = f", OpenAI API on http://{cluster.http_address}/v1 (metrics: /metrics)" if cluster.http_address else ""
     if cfg.engine.quantization != "none":
         http += f"; decoder linears quantized to {cfg.engine.quantization}"
+    if cfg.engine.lm_head_quantization != "none":
+        http += f"; lm_head quantized to {cfg.engine.lm_head_quantization}"
     keys = len(cfg.api_keys)
     http += f"; API keys: {keys} required" if keys else "; API keys: off (anyone who can reach the ports may call)"
     print(

@@ -235,15 +235,16 @@ def format_result(r: ThroughputResult) -> str:
 
 
 def past_bound_warning(r: ThroughputResult) -> str:
-    """Why a figure can pass its bound: with quantized linears, the bound's compute part is the
-    model dtype's GEMM probe, which int8 dot products (csrc/quant_linear.cpp) outrun; else the probes
-    ran slower than the engine did (other work on the machine, or a run too short to time)."""
+    """Which figures passed their bound, and why they can: the probes ran slower than the engine
+    (other work on the machine, or a run too short to time); with quantized linears also the
+    bound's compute part, the model dtype's GEMM probe, which int8 dot products
+    (csrc/quant_linear.cpp) can outrun."""
+    fractions = {"prefill": r.prefill_fraction, "decode": r.decode_fraction, "total": r.total_fraction}
+    past = ", ".join(name for name, f in fractions.items() if f > 1)
+    why = "the probes were slowed by other work on this machine (or the run is too short to time)"
     if {r.quantization, r.lm_head_quantization} != {"none"}:
-        return (
-            "note: a figure is past its bound: the bound's compute part is the "
-            f"{r.dtype} GEMM probe, which quantized linears can outrun (int8 dot products on AVX512-VNNI)"
+        why = (
+            f"the bound's compute part is the {r.dtype} GEMM probe, which quantized linears can outrun "
+            f"(int8 dot products on AVX512-VNNI), or {why}"
         )
-    return (
-        "warning: a figure is past its bound, so the probes were slowed by other work on this machine "
-        "(or the run is too short to time); rerun it on a quiet one"
-    )
+    return f"warning: past its bound ({past}): {why}; rerun it on a quiet machine to tell"

@@ -140,8 +140,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="none",
         choices=QUANTIZATIONS,
         help="weight-only quantization of the decoder layers' linears: int8 (per output channel) or "
-        "int4 (groups of 32 inputs); embeddings, lm_head and the KV cache stay in --dtype. Pays on "
-        "CPU with bfloat16 activations (docs/models.md#quantization)",
+        "int4 (groups of 32 inputs); embeddings, the KV cache and (unless --lm-head-quantization) lm_head "
+        "stay in --dtype. Pays on CPU with bfloat16 activations: pass --dtype bfloat16 (docs/models.md#quantization)",
     )
     parser.add_argument(
         "--lm-head-quantization",

@@ -103,7 +103,7 @@ def test_the_printed_report_shows_the_figures(report):
     assert f"{r['total_tokens_per_s']:9.0f} tok/s" in out
     assert out.rstrip().endswith(f"wrote {path}")
     past_bound = max(r["prefill_fraction"], r["decode_fraction"], r["total_fraction"]) > 1
-    assert ("warning: a figure is past its bound" in out) is past_bound
+    assert ("warning: past its bound" in out) is past_bound
 
 
 def test_a_figure_past_its_bound_adds_a_warning(report):
@@ -113,10 +113,9 @@ def test_a_figure_past_its_bound_adds_a_warning(report):
     assert "warning" not in text
     for name in ("prefill_fraction", "decode_fraction", "total_fraction"):
         text = format_result(dataclasses.replace(result, **{name: 1.2}))
-        assert text.splitlines()[-1].startswith("warning: a figure is past its bound"), name
+        assert text.splitlines()[-1].startswith(f"warning: past its bound ({name.split('_')[0]}): the probes"), name
     quantized = format_result(dataclasses.replace(result, quantization="int4", prefill_fraction=1.2))
-    assert quantized.splitlines()[-1].startswith("note: a figure is past its bound: the bound's compute part")
-    assert "warning" not in quantized
+    assert quantized.splitlines()[-1].startswith("warning: past its bound (prefill): the bound's compute part")
 
 
 def test_max_num_seqs_caps_the_decode_batch(embedded_dir):
