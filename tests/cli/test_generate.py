@@ -50,6 +50,7 @@ def refusal(capsys, *argv: str) -> str:
             "argument --max-tokens: must be in 1..4294967295, got 99999999999999999999999",
         ),
         (["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+        (["--port", "0"], "argument --port: must be in 1..65535 (the router's port), got 0"),
         (["--max-tokens", "lots"], "argument --max-tokens: invalid integer value: 'lots'"),
         (["--seed", str(1 << 64)], f"argument --seed: must be in 0..{(1 << 64) - 1}, got {1 << 64}"),
         (["--top-k", str(1 << 31)], f"argument --top-k: must be in -1..{(1 << 31) - 1}, got {1 << 31}"),
