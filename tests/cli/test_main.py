@@ -115,7 +115,7 @@ def test_serve_generate_and_ctrl_c():
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["generate", "hi", "--port", "99999"], "port must be in 0..65535"),
+        (["generate", "hi", "--port", "99999"], "--port: must be in 1..65535, got 99999"),
         (["generate", "hi", "--seed", "-1"], "must be >= 0"),
         (["generate", "hi", "--router", "127.0.0.1:99999"], "port in 1..65535, got '127.0.0.1:99999'"),
         (["bench", "--router", "127.0.0.1"], "expected host:port"),
