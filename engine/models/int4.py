@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.models.dtype import cpu_flags
+from pdserve.engine.models.kernels import vnni_linear
 
 INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
@@ -104,9 +105,9 @@ class Int4Linear:
     """y = x @ dequantize(q).T + bias for x [T, in_features] -> [T, out_features]; groups of
     ``group_size`` inputs share a scale and a zero (``quantize_int4``).
 
-    ``kernel_rows`` (``vnni_rows``, ``vnni_max_rows()`` where the VNNI kernel runs, else
-    ``TORCH_KERNEL_MAX_ROWS``, ``vnni_rows`` then 0): calls
-    of up to that many rows run the kernel of the module docstring over its packed layout; more rows
+    Calls of up to ``kernel_rows`` rows run the kernel of the module docstring over its packed
+    layout: ``vnni_rows`` (``vnni_max_rows()``) where the VNNI kernel runs, else
+    ``TORCH_KERNEL_MAX_ROWS`` (``vnni_rows`` is then 0). More rows
     dequantize the weight for the call and run the model dtype's GEMM. Where the VNNI kernel runs,
     that reads its packed copy: half a byte per weight in all. Elsewhere it reads ``nibbles``
     [N, G, group_size / 2], the same values two a byte, a group's first half in the high nibbles and
@@ -118,21 +119,25 @@ class Int4Linear:
         self.group_size, self.bias, self.out_features = group_size, bias, weight.shape[0]
         self.cuda = weight.device.type == "cuda"
         n, k = weight.shape
-        self._vnni = _vnni_linear(weight, q, self.scales_and_zeros, group_size)
+        self._vnni = None
+        if group_size == 32:  # the VNNI kernel's group
+            self._vnni = vnni_linear(
+                "pdserve_int4_linear_bf16", weight, lambda: pack_for_vnni(q, self.scales_and_zeros)
+            )
         self.vnni_rows = vnni_max_rows() if self._vnni is not None else 0
         self.kernel_rows = self.vnni_rows or TORCH_KERNEL_MAX_ROWS
         self.nibbles = None
-        if not self.vnni_rows:
+        if self._vnni is not None:
+            self.packed = self._vnni.packed
+        else:
             groups = q.view(n, k // group_size, group_size).to(torch.uint8)
             half = group_size // 2
             self.nibbles = (groups[..., :half] << 4 | groups[..., half:]).contiguous()
-        if self.vnni_rows:
-            self.packed = self._vnni.packed
-        elif self.cuda:  # tinygemm's input: two a byte along K, the even column in the high nibble
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
-        else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            if self.cuda:  # tinygemm's input: two a byte along K, the even column in the high nibble
+                pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+            else:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, G, 2]
         self._scale = sz[..., :1].contiguous()  # [N, G, 1] float32
         self._offset = (sz[..., 1:] - 8.0 * sz[..., :1]).contiguous()  # zero - 8 * scale
@@ -193,18 +198,6 @@ def pack_for_vnni(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torc
     low, high = q6[:, :, :, 0].permute(0, 2, 3, 1, 4), q6[:, :, :, 1].permute(0, 2, 3, 1, 4)
     sz = scales_and_zeros.view(groups, n // 16, 16, 2).permute(1, 0, 3, 2).contiguous()
     return (low | high << 4).contiguous(), sz
-
-
-def _vnni_linear(weight: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
-    """``csrc/quant_linear.cpp``'s int4 kernel over ``q`` packed (``pack_for_vnni``), or None where it
-    cannot run (not a bfloat16 CPU weight, no AVX512-VNNI, no compiler, another group size, a shape
-    off its multiples)."""
-    n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or group_size != 32 or n % 16 or k % 32:
-        return None
-    from pdserve.engine.models.kernels import vnni_linear
-
-    return vnni_linear("pdserve_int4_linear_bf16", *pack_for_vnni(q, scales_and_zeros), n)
 
 
 def int4_unsupported(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str | None:

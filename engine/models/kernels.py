@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -111,13 +112,18 @@ class VnniLinear:
         return y
 
 
-def vnni_linear(symbol: str, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> VnniLinear | None:
-    """A ``VnniLinear`` for ``symbol``, or None where it cannot run: no AVX512-VNNI, or no kernels
-    here (``KernelUnavailable``)."""
+def vnni_linear(symbol: str, weight: torch.Tensor, pack: Callable[[], tuple[torch.Tensor, torch.Tensor]]):
+    """A ``VnniLinear`` for ``symbol`` over ``pack()``'s (packed, scales), or None where the kernel
+    cannot take ``weight`` [out_features, in_features]: not a bfloat16 CPU tensor, out_features not a
+    multiple of 16 or in_features of 32, no AVX512-VNNI, or no kernels here (``KernelUnavailable``).
+    ``pack`` runs only where the kernel will."""
+    n, k = weight.shape
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 16 or k % 32:
+        return None
     try:
         lib = load_cpu_kernels()
     except KernelUnavailable:
         return None
     if not lib.pdserve_quant_linear_supported():
         return None
-    return VnniLinear(getattr(lib, symbol), packed, scales, out_features)
+    return VnniLinear(getattr(lib, symbol), *pack(), n)

@@ -113,10 +113,9 @@ class Int8Linear:
         q, scales = quantize_int8(weight)
         self.scales, self.bias = scales.to(weight.dtype), bias
         self.out_features, self.in_features = weight.shape
-        n, k = weight.shape
-        self._vnni = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not (n % 16 or k % 32):
-            self._vnni = vnni_linear("pdserve_int8_linear_bf16", pack_int8_for_vnni(q), scales.float().contiguous(), n)
+        self._vnni = vnni_linear(
+            "pdserve_int8_linear_bf16", weight, lambda: (pack_int8_for_vnni(q), scales.float().contiguous())
+        )
         self.vnni_rows = vnni_max_rows() if self._vnni is not None else 0
         self.packed, self.qweight = (self._vnni.packed, None) if self._vnni is not None else (None, q)
 
