@@ -36,7 +36,7 @@ def main() -> int:
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.metrics import SLO, summarize
     from pdserve.loadgen.workload import RequestSpec
-    from pdserve.planner.host_cpu import ServingModel
+    from pdserve.planner.host_cpu import ServingPaths
     from pdserve.planner.simulate import SimConfig, Simulator
     from pdserve.planner.step_model import StepModel
     from pdserve.router import local_prefill
@@ -45,7 +45,7 @@ def main() -> int:
     with open(args.profile) as f:
         profile = json.load(f)
     model, spec, dtype = StepModel.from_profile(profile), profile["settings"]["model_spec"], profile["machine"]["dtype"]
-    serving = ServingModel.from_profile(profile)
+    serving = ServingPaths.from_profile(profile)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     engine = EngineConfig(model=spec, enable_prefix_caching=False)
     rules = {"prefix": LocalPrefill(32, "prefix")}

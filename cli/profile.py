@@ -96,6 +96,7 @@ SCALES = {
     "s/request": (1e3, "ms/request"),
     "s/context token": (1e9, "ns/ctx token"),
     "bytes/s": (1e-9, "GB/s"),
+    "ratio": (1.0, "x"),
 }
 
 

@@ -68,9 +68,9 @@ def add_host_cores_arg(p) -> None:
 
 
 def read_profile(path: str) -> tuple:
-    """``(StepModel, model spec, dtype, ServingModel or None)`` of a profile JSON; ValueError (one
+    """``(StepModel, model spec, dtype, ServingPaths or None)`` of a profile JSON; ValueError (one
     line) when it cannot be read or lacks what the simulation needs."""
-    from pdserve.planner.host_cpu import ServingModel
+    from pdserve.planner.host_cpu import ServingPaths
     from pdserve.planner.step_model import StepModel
 
     try:
@@ -79,7 +79,7 @@ def read_profile(path: str) -> tuple:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read --profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        model, serving = StepModel.from_profile(profile), ServingModel.from_profile(profile)
+        model, serving = StepModel.from_profile(profile), ServingPaths.from_profile(profile)
         spec, dtype = profile["settings"]["model_spec"], profile["machine"]["dtype"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--profile {path}: {exc if isinstance(exc, ValueError) else f'no {exc}'}") from None

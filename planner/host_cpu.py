@@ -1,6 +1,8 @@
-"""What the simulator charges beyond the engine's steps: the serving path's time per step and per
-token (``ServingModel``, the ``serving`` fit of ``pdserve profile``) and, when the workers share a
-machine's cores with the router and the load generator, the slowdown of that sharing (``HostCpu``).
+"""What the simulator charges beyond the engine's steps: the serving path's time per step, per token,
+per prompt and per first token (``ServingModel``, one for each path a request takes:
+``ServingPaths``, the ``serving`` and ``serving_split`` fits of ``pdserve profile``) and, when the
+workers share a machine's cores with the router and the load generator, the slowdown of that sharing
+(``HostCpu``).
 """
 
 from __future__ import annotations
@@ -8,44 +10,79 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from pdserve.planner.serving import SERVING_UNITS
+from pdserve.planner.serving_fit import OPTIONAL, SERVING_UNITS
 
 ROUTER_WINDOW_S = 0.5  # the router's CPU use is averaged over this much of the recent past
 
 
 @dataclass(frozen=True)
 class ServingModel:
-    """``s0 + s1*b`` seconds a worker's step of ``b`` token rows takes beyond the engine's
-    compute, and ``r0`` seconds of router and client CPU per request and ``r1`` per token
-    (planner/serving.py measures them). All zero: the engine's steps only."""
+    """One serving path (planner/serving_fit.py measures it): ``s0 + s1*b`` seconds a worker's step
+    of ``b`` token rows takes beyond the engine's predicted time; ``r0`` seconds of router and
+    client CPU per request and ``r1`` per token; prefill steps take ``k_prefill`` times the engine's
+    predicted time; a request's first token reaches its client ``f0`` seconds after what the rest
+    accounts for (the RPCs and wake-ups around a prefill). The defaults: the engine's steps only."""
 
     s0: float = 0.0
     s1: float = 0.0
     r0: float = 0.0
     r1: float = 0.0
+    k_prefill: float = 1.0
+    f0: float = 0.0
 
     def step_extra_s(self, rows: int) -> float:
         """Seconds the serving path adds to a step that emits ``rows`` tokens."""
         return self.s0 + self.s1 * rows if rows else 0.0
 
     @classmethod
-    def from_profile(cls, profile: dict) -> ServingModel | None:
-        """The profile's ``fits.serving``, or None when it has none (a profile written with
-        ``--no-serving``). ValueError when the section is there but lacks a coefficient."""
-        fit = profile.get("fits", {}).get("serving")
+    def from_profile(cls, profile: dict, section: str = "serving") -> ServingModel | None:
+        """The profile's ``fits.<section>``, or None when it has none (a profile written with
+        ``--no-serving``). ValueError when the section is there but lacks a coefficient or holds one
+        no machine measures; ``k_prefill`` and ``f0`` may be absent (profiles written before them
+        were measured: 1 and 0)."""
+        fit = profile.get("fits", {}).get(section)
         if fit is None:
             return None
         coefs = fit.get("coefficients") if isinstance(fit, dict) else None
         values = {}
         for name in SERVING_UNITS:
             c = coefs.get(name) if isinstance(coefs, dict) else None
+            if c is None and name in OPTIONAL:
+                continue
             if not isinstance(c, dict) or "value" not in c:
-                raise ValueError(f"profile has no coefficient fits.serving.coefficients.{name}")
+                raise ValueError(f"profile has no coefficient fits.{section}.coefficients.{name}")
             v = c["value"]
             if not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ValueError(f"profile coefficient fits.serving.coefficients.{name} must be >= 0, got {v!r}")
-            values[name] = float(c["value"])
+                raise ValueError(f"profile coefficient fits.{section}.coefficients.{name} must be >= 0, got {v!r}")
+            values[name] = float(v)
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class ServingPaths:
+    """The serving path of a request prefilled where it decodes (``colocated``: a colocated worker,
+    or a decode worker prefilling locally) and of one prefilled on a prefill worker (``split``)."""
+
+    colocated: ServingModel
+    split: ServingModel
+
+    @classmethod
+    def of(cls, serving: ServingModel | ServingPaths | None) -> ServingPaths:
+        """``serving`` as paths: one model serves both; None: the engine's steps only."""
+        if isinstance(serving, ServingPaths):
+            return serving
+        m = serving or ServingModel()
+        return cls(m, m)
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> ServingPaths | None:
+        """``fits.serving`` (colocated) and ``fits.serving_split`` (split; the colocated one where a
+        profile lacks it), or None without a ``serving`` section. ValueError as
+        ``ServingModel.from_profile``."""
+        colocated = ServingModel.from_profile(profile)
+        if colocated is None:
+            return None
+        return cls(colocated, ServingModel.from_profile(profile, "serving_split") or colocated)
 
 
 class HostCpu:
@@ -55,10 +92,10 @@ class HostCpu:
     clients run elsewhere, so nothing slows down. When the demand exceeds the cores, every step
     stretches by demand / cores (fair sharing of the cores, as the OS scheduler does)."""
 
-    def __init__(self, cores: float, serving: ServingModel | None) -> None:
+    def __init__(self, cores: float) -> None:
         if cores < 0:
             raise ValueError(f"host cores must be >= 0, got {cores}")
-        self.cores, self.serving = cores, serving or ServingModel()
+        self.cores = cores
         self._router: collections.deque[tuple[float, float]] = collections.deque()  # (time s, CPU s)
         self._router_sum = 0.0
 

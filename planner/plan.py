@@ -21,7 +21,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import SLO, summarize
 from pdserve.loadgen.workload import RequestSpec
-from pdserve.planner.host_cpu import ServingModel
+from pdserve.planner.host_cpu import ServingPaths
 from pdserve.planner.simulate import SimConfig, Simulator
 from pdserve.planner.step_model import StepModel
 
@@ -95,7 +95,7 @@ class Planner:
 
     def __init__(self, engine: EngineConfig, model: StepModel, dtype: str, slo: SLO, attainment: float = 0.9,
                  routing: str = "prefix-aware", max_requests_per_worker: int = 512, search_steps: int = 4,
-                 rates: list[float] | None = None, max_requests: int = 100, serving: ServingModel | None = None,
+                 rates: list[float] | None = None, max_requests: int = 100, serving: ServingPaths | None = None,
                  host_cores_per_worker: float = 0.0) -> None:  # fmt: skip
         self.engine, self.model, self.dtype, self.slo = engine, model, dtype, slo
         self.serving, self.host_cores_per_worker = serving, host_cores_per_worker

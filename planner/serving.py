@@ -1,47 +1,61 @@
-"""Measure the serving path around the engine: what a token costs between the engine's step and
-the client, on this machine (the ``serving`` section of ``pdserve profile``).
+"""Measure the serving path around the engine: what a request and a token cost between the
+engine's steps and the client, on this machine (the ``serving`` and ``serving_split`` sections of
+``pdserve profile``).
 
-A real colocated worker runs in its own process (``multiprocessing`` spawn, the profile's engine
-settings); the real router (``router.grpc_api.serve``) and a real gRPC client run in this process,
-all on loopback. Each point sends ``batch`` greedy requests of ``prompt_tokens`` random tokens at
-once and reads ``output_tokens`` tokens of each (``ignore_eos``), and records:
+Each placement's real workers run in their own processes (``multiprocessing`` spawn, the profile's
+engine settings), each pinned to its own cores as ``pdserve serve`` pins them: one colocated worker,
+or a prefill and a decode worker. The real router
+(``router.grpc_api.serve``) and a real gRPC client run in this process, all on loopback.
 
-- ``wall_s``: from the first send to the last token read;
-- ``engine_s``: the worker's time in model steps over the point (``WorkerStats`` busy counters);
-- ``steps``: ``output_tokens``, one decode step per token (the prompts' prefill step included);
-- ``router_cpu_s``: this process's CPU time (``time.process_time``): the router and the client;
-- ``worker_cpu_s``: the worker process's CPU time (``psutil``, clock-tick resolution).
+- **Batch points:** ``batch`` greedy requests of ``prompt_tokens`` random tokens sent at once, each
+  reading ``output_tokens`` tokens (``ignore_eos``). Recorded: ``wall_s`` (first send to last token
+  read), ``engine_s`` (the workers' time in model steps, summed, ``WorkerStats`` busy counters), ``steps``
+  (``output_tokens``: one decode step per token, the prompts' prefill step included),
+  ``router_cpu_s`` (this process's CPU time: the router and the client) and ``worker_cpu_s`` (the
+  workers' processes, ``psutil``, clock-tick resolution).
+- **First-token points:** one request at a time, each after ``FIRST_TOKEN_GAP_S`` of idleness (as
+  requests meet a lightly loaded server), with a prompt of each of ``FIRST_TOKEN_PROMPTS`` tokens
+  (two output tokens). Recorded: ``ttft_s`` at the client and the worker's ``queue_s`` and
+  ``prefill_s`` (its ``Timings``).
 
-``fit_serving`` turns the points into the ``serving`` fit: ``s0 + s1*b`` seconds of wall time per
-step beyond the engine's (the worker's event loop taking the step's tokens, one gRPC message per
-request and step, waits for the GIL), and ``r0`` per request plus ``r1`` per token of router and
-client CPU. ``planner/simulate.py`` charges both (``planner/host_cpu.py``).
+``planner/serving_fit.py`` fits them against the engine's step model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import random
+import sys
 import time
 from collections.abc import Callable
 
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.step_model import error_stats, fit_relative
+from pdserve.planner.serving_fit import fit_serving
+from pdserve.planner.step_model import StepModel
 
-SERVING_UNITS = {"s0": "s", "s1": "s/sequence", "r0": "s/request", "r1": "s/token"}
-SERVING_FORMULA = "wall per step beyond the engine: s0 + s1*b; router and client CPU: r0*requests + r1*tokens"
 DEFAULT_BATCHES = (1, 4, 16, 32)
 DEFAULT_OUTPUTS = (16, 64)
 PROMPT_TOKENS = 16
+FIRST_TOKEN_PROMPTS = (64, 256, 1024)
+FIRST_TOKEN_REPEATS = 5
+FIRST_TOKEN_GAP_S = 0.2  # idle before each first-token request: what a request sees below saturation
+PLACEMENTS = {"colocated": ("colocated",), "split": ("prefill", "decode")}
+SECTIONS = {"colocated": "serving", "split": "serving_split"}  # fits.<section> of each placement
 
 
-def _worker_main(cfg: EngineConfig, conn) -> None:
-    """Child process: serve one colocated worker; send its address, then serve until told to stop."""
-    import pdserve.colocated_worker.worker as colocated
+def _worker_main(role: str, cfg: EngineConfig, cpus: list[int] | None, conn) -> None:
+    """Child process: serve one worker of ``role``, pinned to ``cpus`` (None: not pinned); send its
+    address, then serve until told to stop."""
+    import importlib
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    worker = importlib.import_module(f"pdserve.{role}_worker.worker")
 
     async def main() -> None:
-        running = await colocated.serve(cfg)
+        running = await worker.serve(cfg)
         conn.send(running.address)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await running.stop()
@@ -49,42 +63,57 @@ def _worker_main(cfg: EngineConfig, conn) -> None:
     asyncio.run(main())
 
 
-async def _busy_s(address: str) -> float:
+async def _busy_s(addresses: list[str]) -> float:
     from pdserve.rpc.auth import internal_channel
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-    async with internal_channel(address, None) as ch:
-        s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
-    return (s.prefill_busy_ns + s.decode_busy_ns) / 1e9
+    total = 0.0
+    for address in addresses:
+        async with internal_channel(address, None) as ch:
+            s = await worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest())
+        total += (s.prefill_busy_ns + s.decode_busy_ns) / 1e9
+    return total
 
 
 async def _measure(
-    cfg: EngineConfig, address: str, worker_pid: int, points: list[tuple[int, int]], say: Callable[[str], None]
-) -> list[dict]:
+    placement: str,
+    cfg: EngineConfig,
+    workers: dict[str, tuple[str, int]],
+    points: list[tuple[int, int]],
+    prompts: tuple[int, ...],
+    say: Callable[[str], None],
+) -> tuple[list[dict], list[dict]]:
     import psutil
 
     from pdserve.engine.models.loader import resolve_model_dir
     from pdserve.router import grpc_api
     from pdserve.router.client import Client, make_request
 
-    model_dir = resolve_model_dir(cfg.model)
-    router = await grpc_api.serve(model_dir, colocated=[address])
-    worker, rng, out, vocab = psutil.Process(worker_pid), random.Random(0), [], router.core.vocab_size
+    addresses = [a for a, _ in workers.values()]
+    procs = [psutil.Process(pid) for _, pid in workers.values()]
+    roles = {role: [workers[role][0]] for role in workers}
+    router = await grpc_api.serve(resolve_model_dir(cfg.model), **roles)
+    rng, batch_points, first_points, vocab = random.Random(0), [], [], router.core.vocab_size
+
+    def worker_cpu() -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
     try:
         async with Client(router.address) as client:
 
             async def one(b: int, n: int) -> dict:
                 prompts = [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(b)]
                 reqs = [make_request("", n, temperature=0.0, ignore_eos=True, prompt_token_ids=p) for p in prompts]
-                busy0, cpu0, w0 = await _busy_s(address), time.process_time(), worker.cpu_times()
+                busy0, cpu0, w0 = await _busy_s(addresses), time.process_time(), worker_cpu()
                 t0 = time.perf_counter()
                 results = await asyncio.gather(*(client.generate(r) for r in reqs))
                 wall = time.perf_counter() - t0
-                cpu, w1, busy1 = time.process_time() - cpu0, worker.cpu_times(), await _busy_s(address)
+                cpu, w1, busy1 = time.process_time() - cpu0, worker_cpu(), await _busy_s(addresses)
                 bad = [r.error for r in results if r.error or len(r.token_ids) != n]
                 if bad:
                     raise RuntimeError(f"serving probe: a request failed: {bad[0] or 'too few tokens'}")
                 return {
+                    "placement": placement,
                     "batch": b,
                     "output_tokens": n,
                     "prompt_tokens": PROMPT_TOKENS,
@@ -92,80 +121,109 @@ async def _measure(
                     "wall_s": wall,
                     "engine_s": busy1 - busy0,
                     "router_cpu_s": cpu,
-                    "worker_cpu_s": (w1.user + w1.system) - (w0.user + w0.system),
+                    "worker_cpu_s": w1 - w0,
+                }
+
+            async def lone(n: int) -> dict:
+                await asyncio.sleep(FIRST_TOKEN_GAP_S)
+                ids = [rng.randrange(vocab) for _ in range(n)]
+                req = make_request("", 2, temperature=0.0, ignore_eos=True, prompt_token_ids=ids)
+                t0, ttft, timings = time.perf_counter(), None, None
+                async for msg in client.stream(req):
+                    kind = msg.WhichOneof("kind")
+                    if kind == "chunk" and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    elif kind == "complete":
+                        timings = msg.complete.timings
+                    elif kind == "error":
+                        raise RuntimeError(f"serving probe: a request failed: {msg.error.message}")
+                if ttft is None or timings is None:
+                    raise RuntimeError("serving probe: a request ended without its first token")
+                return {
+                    "placement": placement,
+                    "prompt_tokens": n,
+                    "ttft_s": ttft,
+                    "queue_s": timings.queue_ns / 1e9,
+                    "prefill_s": timings.prefill_ns / 1e9,
                 }
 
             await one(points[0][0], 8)  # warm-up: first calls, the kernels of these shapes
             for b, n in points:
                 point = await one(b, n)
-                out.append(point)
+                batch_points.append(point)
                 say(
-                    f"serving batch {b:>3} x {n:>3} tokens: {point['wall_s'] / n * 1e3:6.2f} ms a step "
+                    f"serving {placement:9} batch {b:>3} x {n:>3} tokens: {point['wall_s'] / n * 1e3:6.2f} ms a step "
                     f"({point['engine_s'] / n * 1e3:.2f} ms engine), router+client CPU "
                     f"{point['router_cpu_s'] / (b * n) * 1e6:.0f} us a token"
                 )
+            for n in prompts:
+                await lone(n)  # warm-up: this prompt length's kernels
+                runs = [await lone(n) for _ in range(FIRST_TOKEN_REPEATS)]
+                first_points += runs
+                ttft = sorted(r["ttft_s"] for r in runs)[len(runs) // 2]
+                say(f"serving {placement:9} first token of {n:>5} prompt tokens: {ttft * 1e3:7.2f} ms (median)")
     finally:
         await router.stop()
-    return out
+    return batch_points, first_points
 
 
 def measure_serving(
     cfg: EngineConfig,
+    placement: str = "colocated",
     batches: tuple[int, ...] = DEFAULT_BATCHES,
     outputs: tuple[int, ...] = DEFAULT_OUTPUTS,
+    prompts: tuple[int, ...] = FIRST_TOKEN_PROMPTS,
     say: Callable[[str], None] = lambda _: None,
-) -> list[dict]:
-    """The serving points (see the module docstring) for each batch size and output length, a
-    worker of ``cfg`` in a child process. RuntimeError when the worker does not start or a request
-    fails."""
+) -> tuple[list[dict], list[dict]]:
+    """The batch and first-token points (see the module docstring) of ``placement`` (``colocated``
+    or ``split``), its workers of ``cfg`` in child processes. RuntimeError when a worker does not
+    start or a request fails."""
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker_main, args=(cfg, child), daemon=True)
-    proc.start()
+    roles, started = PLACEMENTS[placement], []
+    per = cfg.torch_threads or 1  # pinned as pdserve serve pins its CPU workers (ClusterConfig.cpu_sets)
+    pin = cfg.device == "cpu" and sys.platform.startswith("linux") and len(roles) * per <= (os.cpu_count() or 1)
     try:
-        if not parent.poll(300):
-            raise RuntimeError("serving probe: the worker did not start within 300 s")
-        address = parent.recv()
+        for i, role in enumerate(roles):
+            parent, child = ctx.Pipe()
+            cpus = list(range(i * per, (i + 1) * per)) if pin else None
+            proc = ctx.Process(target=_worker_main, args=(role, cfg, cpus, child), daemon=True)
+            proc.start()
+            started.append((role, proc, parent))
+        workers = {}
+        for role, proc, parent in started:
+            if not parent.poll(300):
+                raise RuntimeError(f"serving probe: the {role} worker did not start within 300 s")
+            workers[role] = (parent.recv(), proc.pid)
         points = [(b, n) for b in batches for n in outputs]
-        return asyncio.run(_measure(cfg, address, proc.pid, points, say))
+        return asyncio.run(_measure(placement, cfg, workers, points, prompts, say))
     finally:
-        if proc.is_alive():
-            try:
-                parent.send("stop")
-            except OSError:
-                pass
+        for _, proc, parent in started:
+            if proc.is_alive():
+                try:
+                    parent.send("stop")
+                except OSError:
+                    pass
+        for _, proc, _ in started:
             proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-
-
-def fit_serving(points: list[dict]) -> dict:
-    """The ``serving`` fit of serving points (see the module docstring): ``s0``, ``s1`` from the
-    wall time per step beyond the engine against the batch, ``r0``, ``r1`` from the router and client
-    CPU against requests and tokens; each with its error. ValueError with fewer than 2 points."""
-    if len(points) < 2:
-        raise ValueError(f"the serving fit needs at least 2 points, got {len(points)}")
-    extra = [max(1e-6, (q["wall_s"] - q["engine_s"]) / q["steps"]) for q in points]  # the fit wants > 0
-    s0, s1 = fit_relative([[1, q["batch"]] for q in points], extra)
-    cpu = [q["router_cpu_s"] for q in points]
-    r0, r1 = fit_relative([[q["batch"], q["batch"] * q["output_tokens"]] for q in points], cpu)
-    values = {"s0": s0, "s1": s1, "r0": r0, "r1": r1}
-    return {
-        "formula": SERVING_FORMULA,
-        "coefficients": {k: {"value": v, "unit": SERVING_UNITS[k]} for k, v in values.items()},
-        "error": error_stats([s0 + s1 * q["batch"] for q in points], extra),
-        "router_cpu_error": error_stats([r0 * q["batch"] + r1 * q["batch"] * q["output_tokens"] for q in points], cpu),
-    }
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
 
 def add_serving(profile: dict, cfg: EngineConfig, quick: bool, say: Callable[[str], None]) -> None:
-    """Measure the serving path (``measure_serving``; ``quick``: two small batches of short
-    outputs) and add its points and fit to ``profile`` in place (``points.serving``,
-    ``fits.serving``), its time to ``elapsed_s``."""
+    """Measure the serving path of each placement (``measure_serving``; ``quick``: two small
+    batches of short outputs, two prompt lengths) and add the points (``points.serving``,
+    ``points.first_token``) and each placement's fit (``fits.serving``, ``fits.serving_split``,
+    planner/serving_fit.py) to ``profile`` in place, their time to ``elapsed_s``."""
     start = time.perf_counter()
+    model = StepModel.from_profile(profile)
     batches, outputs = ((1, 4), (8, 16)) if quick else (DEFAULT_BATCHES, DEFAULT_OUTPUTS)
-    points = measure_serving(cfg, batches, outputs, say)
-    profile["points"]["serving"] = points
-    profile["fits"]["serving"] = fit_serving(points)
+    room = profile["settings"]["max_model_len"] - 2
+    prompts = tuple(sorted({min(n, room) for n in (FIRST_TOKEN_PROMPTS[:2] if quick else FIRST_TOKEN_PROMPTS)}))
+    profile["points"]["serving"], profile["points"]["first_token"] = [], []
+    for placement, section in SECTIONS.items():
+        points, first = measure_serving(cfg, placement, batches, outputs, prompts, say)
+        profile["points"]["serving"] += points
+        profile["points"]["first_token"] += first
+        profile["fits"][section] = fit_serving(points, first, model, placement)
     profile["elapsed_s"] = profile.get("elapsed_s", 0.0) + time.perf_counter() - start

@@ -45,7 +45,7 @@ class SimRoles:
         if w.handle.active_requests > 0 and t - self.drain_start_s < DRAIN_TIMEOUT_S:
             return
         m, self.move = self.move, None
-        w.role = w.handle.role = m.to_role
+        self.sim.set_role(w, m.to_role)
         w.handle.draining = False
         self.rebalancer.balancer.switched(t)
         self.switches.append(SimSwitch(t, self.drain_start_s, m.address, m.from_role, m.to_role, m.reason))

@@ -11,6 +11,7 @@ from pdserve.engine.config import EngineConfig, for_role
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.host_cpu import ServingModel
 from pdserve.planner.step_model import StepModel
 from pdserve.planner.virtual_runner import VirtualClock, VirtualRunner
 from pdserve.router.worker_handle import WorkerHandle
@@ -34,6 +35,7 @@ class SimWorker:
         self.busy = False
         self.outputs: list[StepOutput] = []  # of the step under way, handled when it ends
         self.awaiting_kv = 0  # requests routed here whose KV has not been admitted
+        self.step_extra = ServingModel()  # its serving path's cost per step (Simulator.set_role)
 
 
 @dataclass

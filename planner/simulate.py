@@ -5,11 +5,17 @@ router's local-prefill rule (``local_prefill_reason``) decides which requests th
 prefills itself, and with ``placement="auto"`` the router's ``RoleRebalancer`` switches the
 switchable workers' roles (planner/sim_roles.py).
 
+The serving path (``ServingPaths``, the profile's ``serving`` fits): a request prefilled where it
+decodes pays the colocated path's costs, one prefilled on a prefill worker the split path's; a
+colocated or decode worker's steps pay their path's ``step_extra_s``, a prefill worker's none (its
+cost is in ``k_prefill`` and ``f0``), and every worker's prefill steps take ``k_prefill`` times the
+engine's predicted time.
+
 Events (a heap of virtual times): arrivals at their send times plus the router's time for a new
 request (``ServingModel.r0``); a worker's step, which runs ``LLMEngine.step`` and ends after the
 predicted time plus the serving path's (``ServingModel.step_extra_s``), stretched while the workers,
 router and clients want more than ``host_cores`` (``HostCpu``), its tokens then relayed to the
-client (``ServingModel.r1``, ``relay_s``); a KV
+client (``ServingModel.r1``, ``relay_s``; a first token also ``f0``); a KV
 hand-off reaching its decode worker after ``StepModel.handoff_s`` of its bytes (``admit_kv``,
 retried and then preempting as the decode worker does); a split request's prefill starting once its
 decode worker has held its prefix, which that worker's engine does between two steps (the real
@@ -32,7 +38,7 @@ from pdserve.engine.params import SamplingParams
 from pdserve.loadgen.metrics import RequestRecord
 from pdserve.loadgen.prefix_cache import WorkerPrefixCounters
 from pdserve.loadgen.workload import RequestSpec
-from pdserve.planner.host_cpu import HostCpu, ServingModel
+from pdserve.planner.host_cpu import HostCpu, ServingModel, ServingPaths
 from pdserve.planner.sim_roles import SimRoles
 from pdserve.planner.sim_worker import SimRequest, SimWorker
 from pdserve.planner.step_model import StepModel
@@ -70,13 +76,16 @@ class SimConfig:
 class Simulator:
     """Runs request specs through a simulated cluster (``SimConfig``) whose steps take
     ``model``'s predicted time for the profile's ``dtype``, plus the serving path's (``serving``, the
-    profile's ``ServingModel``; None: the engine's steps only). ValueError for a model that cannot
-    load."""
+    profile's ``ServingPaths``; one ``ServingModel`` for both paths; None: the engine's steps only).
+    ValueError for a model that cannot load."""
 
-    def __init__(self, cfg: SimConfig, model: StepModel, dtype: str, serving: ServingModel | None = None) -> None:
+    def __init__(
+        self, cfg: SimConfig, model: StepModel, dtype: str, serving: ServingModel | ServingPaths | None = None
+    ) -> None:
         self.cfg, self.model = cfg, model
-        self.serving = serving or ServingModel()
-        self.host, self.threads = HostCpu(cfg.host_cores, self.serving), cfg.engine.torch_threads or 1
+        self.paths = ServingPaths.of(serving)
+        self.serving = self.paths.colocated if cfg.placement == "colocated" else self.paths.split  # the router's
+        self.host, self.threads = HostCpu(cfg.host_cores), cfg.engine.torch_threads or 1
         roles = (
             [("colocated", cfg.num_prefill + cfg.num_decode)]
             if cfg.placement == "colocated"
@@ -84,6 +93,8 @@ class Simulator:
         )
         auto = cfg.placement == "auto"
         self.workers = [SimWorker(r, i, cfg.engine, model, dtype, auto) for r, k in roles for i in range(k)]
+        for w in self.workers:
+            self.set_role(w, w.role)
         self.by_address = {w.handle.address: w for w in self.workers}
         self.pool = WorkerPool([], [], [], cfg.max_requests_per_worker, cfg.routing)
         self.pool.workers = [w.handle for w in self.workers]
@@ -95,6 +106,14 @@ class Simulator:
         self.requests: dict[str, SimRequest] = {}
         self.local_prefill = LocalPrefill(cfg.local_prefill_tokens, cfg.local_prefill_policy)
         self.roles = SimRoles(self, cfg.slo_ttft_s, cfg.slo_tpot_s) if auto else None
+
+    def set_role(self, w: SimWorker, role: str) -> None:
+        """Give ``w`` ``role``, and the serving costs of its steps: its path's ``step_extra_s`` and
+        ``k_prefill`` (a prefill worker: the split path's ``k_prefill``, no step cost of its own)."""
+        w.role = w.handle.role = role
+        path = self.paths.split if role != "colocated" else self.paths.colocated
+        w.step_extra = ServingModel(k_prefill=path.k_prefill) if role == "prefill" else path
+        w.engine.runner.prefill_factor = path.k_prefill if role == "prefill" else self.paths.colocated.k_prefill
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:
@@ -147,7 +166,7 @@ class Simulator:
         w.clock.now_s = t
         if w.engine.has_work():
             w.outputs = w.engine.step()
-            extra = self.serving.step_extra_s(len(w.outputs))
+            extra = w.step_extra.step_extra_s(len(w.outputs))
             busy = sum(x.busy for x in self.workers) * self.threads
             w.clock.now_s = t + (w.clock.now_s - t + extra) * self.host.stretch(t, busy)
         if w.engine.runner.num_steps == steps:  # nothing could run: wait for new work
@@ -206,8 +225,10 @@ class Simulator:
 
     def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
         seq, r = out.seq, self.requests[out.seq.request_id]
-        self.host.charge_router(t, self.serving.r1)
-        r.rec.token_times_s.append(t + self.cfg.relay_s + self.serving.r1 * self.host.stretch(t, 0))
+        path = self.paths.split if r.decode is not None else self.paths.colocated
+        self.host.charge_router(t, path.r1)
+        first = path.f0 if not r.rec.token_times_s else 0.0
+        r.rec.token_times_s.append(t + self.cfg.relay_s + first + path.r1 * self.host.stretch(t, 0))
         r.output.append(out.token)
         if out.prefill and len(r.rec.token_times_s) == 1:  # a recompute after preemption is no first token
             r.worker.handle.outstanding_prefill_tokens -= seq.num_prompt_tokens

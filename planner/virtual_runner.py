@@ -44,7 +44,8 @@ class VirtualRunner:
     """Stands in for ``ModelRunner``: same ``model_cfg``, ``dtype_name``, ``num_blocks`` (from
     ``num_kv_blocks`` or ``kv_cache_gib`` as the real one sizes its cache), no weights, no cache
     tensor. ``run`` returns ``token`` (set it to an id that is no EOS) for each sampling sequence
-    and adds ``model.batch_s`` of the batch to ``clock``; ``trace`` (when a list) gets each step
+    and adds ``model.batch_s`` of the batch to ``clock`` (times ``prefill_factor`` for a step with
+    prompt chunks: a serving worker's prefill against the profiled engine's); ``trace`` (when a list) gets each step
     as ``[(request_id, tokens), ...]``. ``read_kv`` gives a zero-stride tensor of the real shape
     (``nbytes`` as the real one), ``write_kv`` checks the shape only. ValueError for an unknown
     ``dtype_name``."""
@@ -60,6 +61,7 @@ class VirtualRunner:
         self.kv_groups = kv_groups(self.model_cfg.layer_windows, self.model_cfg.num_layers)
         self.num_blocks = kv_pool_blocks(cfg, self.model_cfg, self.dtype)
         self.token = 0
+        self.prefill_factor = 1.0
         self.trace: list | None = None
         self.num_steps = 0
 
@@ -68,7 +70,8 @@ class VirtualRunner:
 
     def run(self, batch: Batch) -> list[int]:
         """Advance the clock by the batch's predicted seconds; one ``token`` per sampling sequence."""
-        self.clock.now_s += self.model.batch_s(*batch_shape(batch))
+        chunks, b, context = batch_shape(batch)
+        self.clock.now_s += self.model.batch_s(chunks, b, context) * (self.prefill_factor if chunks else 1.0)
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_query_tokens)])

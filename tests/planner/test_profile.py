@@ -16,8 +16,8 @@ import torch
 from pdserve.cli.main import main
 from pdserve.engine.config import ModelConfig
 from pdserve.planner.grid import QUICK
-from pdserve.planner.host_cpu import ServingModel
-from pdserve.planner.serving import SERVING_UNITS
+from pdserve.planner.host_cpu import ServingModel, ServingPaths
+from pdserve.planner.serving_fit import SERVING_UNITS
 from pdserve.planner.step_model import SCHEMA, SECTIONS, UNITS, StepModel
 
 MACHINE_KEYS = {
@@ -76,17 +76,37 @@ def test_the_json_has_every_section_with_its_keys_and_units(profiled, embedded_d
         assert set(fit["error"]) == {"max_rel", "median_rel", "points"}
 
 
-def test_the_serving_section_times_a_real_worker_router_and_client(profiled):
+def test_the_serving_section_times_real_workers_router_and_client_per_placement(profiled):
     _, p = profiled
     points = p["points"]["serving"]
-    assert [(q["batch"], q["output_tokens"]) for q in points] == [(1, 8), (1, 16), (4, 8), (4, 16)]
+    grid = [(1, 8), (1, 16), (4, 8), (4, 16)]
+    for placement in ("colocated", "split"):
+        mine = [q for q in points if q["placement"] == placement]
+        assert [(q["batch"], q["output_tokens"]) for q in mine] == grid, placement
     for q in points:  # every request streamed all its tokens through the router (else the probe raises)
-        assert 0 < q["engine_s"] < q["wall_s"] < p["elapsed_s"] and q["steps"] == q["output_tokens"]
+        assert 0 < q["wall_s"] < p["elapsed_s"] and q["steps"] == q["output_tokens"]
+        # the workers' step time, summed: a split pair's steps may overlap, one worker's cannot
+        assert 0 < q["engine_s"] < (q["wall_s"] if q["placement"] == "colocated" else 2 * q["wall_s"])
         assert q["router_cpu_s"] > 0 and q["worker_cpu_s"] >= 0
-    fit = p["fits"]["serving"]
-    assert {k: c["unit"] for k, c in fit["coefficients"].items()} == SERVING_UNITS
-    assert all(c["value"] >= 0 for c in fit["coefficients"].values())
-    assert ServingModel.from_profile(p) is not None
+    first = p["points"]["first_token"]
+    for placement in ("colocated", "split"):  # the quick probe: 2 prompt lengths, 5 lone requests each
+        mine = [q for q in first if q["placement"] == placement]
+        assert sorted({q["prompt_tokens"] for q in mine}) == [64, 256] and len(mine) == 10, placement
+    for q in first:  # the worker's own prefill is inside the client's TTFT
+        assert 0 < q["prefill_s"] < q["ttft_s"] < p["elapsed_s"] and q["queue_s"] >= 0
+    long = [q["prefill_s"] for q in first if q["prompt_tokens"] == 256]
+    short = [q["prefill_s"] for q in first if q["prompt_tokens"] == 64]
+    assert statistics.median(long) > statistics.median(short)  # a real prefill of the prompt it was sent
+    for section, placement in (("serving", "colocated"), ("serving_split", "split")):
+        fit = p["fits"][section]
+        assert fit["placement"] == placement
+        assert {k: c["unit"] for k, c in fit["coefficients"].items()} == SERVING_UNITS
+        assert all(c["value"] >= 0 for c in fit["coefficients"].values())
+        assert fit["coefficients"]["k_prefill"]["value"] > 0  # a prefill step takes some time in a worker
+    paths = ServingPaths.from_profile(p)
+    assert paths.colocated == ServingModel.from_profile(p) and paths.split == ServingModel.from_profile(
+        p, "serving_split"
+    )
 
 
 def test_the_points_are_the_quick_grid_and_the_cache_really_hit(profiled, embedded_dir):
@@ -155,8 +175,11 @@ def test_progress_and_the_fits_are_printed(profiled):
     for kind in ("prefill  n=", "decode   b=", "mixed    p=", "handoff  n="):
         assert any(line.startswith(kind) and line.endswith(last) for line in lines), kind
     assert lines[-1].startswith("wrote ") and any(line.startswith("decode   d0 ") for line in lines)
-    assert any(line.startswith("serving batch   4 x  16 tokens") for line in lines)
+    for placement in ("colocated", "split    "):
+        assert any(line.startswith(f"serving {placement} batch   4 x  16 tokens") for line in lines)
+        assert any(line.startswith(f"serving {placement} first token of   256 prompt tokens") for line in lines)
     assert any(line.startswith("serving  s0 ") for line in lines)
+    assert any(line.startswith("serving_split s0 ") for line in lines)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""The serving path in the simulator: the profile's ``serving`` fit read back, its costs charged to
-each step, token and request (``ServingModel``), the slowdown of workers sharing a machine's cores
-with the router and the clients (``HostCpu``), and the serving probe's fit on known points."""
+"""The serving path in the simulator: the profile's ``serving`` fits read back, their costs charged
+to each step, token, request and first token on each path (``ServingModel``, ``ServingPaths``), the
+slowdown of workers sharing a machine's cores with the router and the clients (``HostCpu``), and the
+serving probe's fit on known points."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.loadgen.workload import RequestSpec
-from pdserve.planner.host_cpu import ROUTER_WINDOW_S, HostCpu, ServingModel
-from pdserve.planner.serving import SERVING_UNITS, fit_serving
+from pdserve.planner.host_cpu import ROUTER_WINDOW_S, HostCpu, ServingModel, ServingPaths
+from pdserve.planner.serving_fit import SERVING_UNITS, fit_serving, predicted_engine_s
 from pdserve.planner.simulate import SimConfig, Simulator
 from pdserve.planner.step_model import StepModel
 from tests.planner.test_simulate import toy_profile
@@ -17,12 +18,12 @@ from tests.planner.test_simulate import toy_profile
 SERVING = ServingModel(s0=0.002, s1=0.001, r0=0.003, r1=0.0005)
 
 
-def with_serving(profile: dict, m: ServingModel) -> dict:
+def with_serving(profile: dict, m: ServingModel, section: str = "serving") -> dict:
     coefs = {k: {"value": getattr(m, k), "unit": u} for k, u in SERVING_UNITS.items()}
-    return {**profile, "fits": {**profile["fits"], "serving": {"coefficients": coefs}}}
+    return {**profile, "fits": {**profile["fits"], section: {"coefficients": coefs}}}
 
 
-def one_request(serving: ServingModel | None, placement: str = "colocated", n: int = 100, out: int = 4):
+def one_request(serving: ServingModel | ServingPaths | None, placement: str = "colocated", n: int = 100, out: int = 4):
     model = StepModel.from_profile(toy_profile())
     engine = EngineConfig(model="embedded", max_num_batched_tokens=256)
     cfg = SimConfig(engine, placement, 1, 0 if placement == "colocated" else 1)
@@ -38,6 +39,17 @@ def test_the_serving_fit_is_read_back_and_its_absence_is_none():
     del broken["fits"]["serving"]["coefficients"]["r1"]
     with pytest.raises(ValueError, match="fits.serving.coefficients.r1"):
         ServingModel.from_profile(broken)
+    # a profile measured before the first-token points: no prefill factor, no first-token cost
+    older = with_serving(profile, SERVING)
+    for name in ("k_prefill", "f0"):
+        del older["fits"]["serving"]["coefficients"][name]
+    assert ServingModel.from_profile(older) == ServingModel(s0=0.002, s1=0.001, r0=0.003, r1=0.0005)
+    # both paths: the split one where the profile has it, else the colocated one for both
+    split = ServingModel(s0=0.001, r0=0.004, k_prefill=1.5, f0=0.002)
+    assert ServingPaths.from_profile(with_serving(profile, SERVING)) == ServingPaths(SERVING, SERVING)
+    both = with_serving(with_serving(profile, SERVING), split, "serving_split")
+    assert ServingPaths.from_profile(both) == ServingPaths(SERVING, split)
+    assert ServingPaths.from_profile(profile) is None
 
 
 def test_each_step_token_and_request_pays_its_serving_cost():
@@ -60,16 +72,16 @@ def test_no_rows_no_serving_cost():
 
 
 def test_shared_cores_stretch_steps_by_demand_over_cores():
-    host = HostCpu(2, SERVING)
+    host = HostCpu(2)
     assert host.stretch(0.0, 2) == 1.0  # two workers on two cores
     assert host.stretch(0.0, 4) == pytest.approx(2.0)
     host.charge_router(1.0, 0.25)  # half a core of router work over the window
     assert host.router_load(1.0) == pytest.approx(0.25 / ROUTER_WINDOW_S)
     assert host.stretch(1.0, 2) == pytest.approx((2 + 0.5) / 2)
     assert host.stretch(1.0 + ROUTER_WINDOW_S + 0.01, 2) == 1.0  # the router's work has aged out
-    assert HostCpu(0, SERVING).stretch(0.0, 100) == 1.0  # 0 cores: nothing shared
+    assert HostCpu(0).stretch(0.0, 100) == 1.0  # 0 cores: nothing shared
     with pytest.raises(ValueError, match="host cores"):
-        HostCpu(-1, SERVING)
+        HostCpu(-1)
 
 
 def test_colocated_workers_on_fewer_cores_run_slower():
@@ -87,28 +99,54 @@ def test_colocated_workers_on_fewer_cores_run_slower():
 
 
 def test_the_probe_fit_recovers_known_costs():
-    truth = ServingModel(s0=0.001, s1=5e-5, r0=0.002, r1=3e-4)
-    points = []
-    for b in (1, 4, 16, 32):
-        for n in (16, 64):
-            engine = n * 0.003 * (1 + b / 16)
-            points.append(
-                {
-                    "batch": b,
-                    "output_tokens": n,
-                    "steps": n,
-                    "wall_s": engine + n * truth.step_extra_s(b),
-                    "engine_s": engine,
-                    "router_cpu_s": truth.r0 * b + truth.r1 * b * n,
-                }
-            )
-    fit = fit_serving(points)
-    got = {k: c["value"] for k, c in fit["coefficients"].items()}
-    for k, v in vars(truth).items():
-        assert got[k] == pytest.approx(v, rel=1e-6), k
-    assert fit["error"]["max_rel"] < 1e-6 and fit["router_cpu_error"]["max_rel"] < 1e-6
-    with pytest.raises(ValueError, match="at least 2 points"):
-        fit_serving(points[:1])
+    model = StepModel.from_profile(toy_profile())
+    for placement in ("colocated", "split"):
+        truth = ServingModel(s0=0.001, s1=5e-5, r0=0.002, r1=3e-4, k_prefill=1.3, f0=0.004)
+        request_s = 0.0025  # the router admitting each request of a burst
+        points = []
+        for b in (1, 4, 16, 32):
+            for n in (16, 64):
+                q = {"batch": b, "output_tokens": n, "prompt_tokens": 16, "steps": n}
+                # the worker's own engine counter is not what the fit reads: the model's prediction is
+                wall = predicted_engine_s(model, q) + n * truth.step_extra_s(b) + request_s * b
+                points.append(
+                    {**q, "wall_s": wall, "engine_s": 0.5 * wall, "router_cpu_s": truth.r0 * b + truth.r1 * b * n}
+                )
+        fixed = truth.r0 + truth.r1 + (truth.step_extra_s(1) if placement == "colocated" else 0.0)
+        first = [
+            {"prompt_tokens": n, "ttft_s": fixed + truth.f0 + truth.k_prefill * model.prefill_s(n) + noise}
+            for n in (64, 256, 1024)
+            for noise in (0.0, 0.5, -0.5)  # the median of each length's runs is what counts
+        ]
+        fit = fit_serving(points, first, model, placement)
+        got = {k: c["value"] for k, c in fit["coefficients"].items()}
+        for k, v in vars(truth).items():
+            assert got[k] == pytest.approx(v, rel=1e-6), (placement, k)
+        assert fit["request_s"] == pytest.approx(request_s, rel=1e-6) and fit["placement"] == placement
+        for err in ("error", "router_cpu_error", "first_token_error"):
+            assert fit[err]["max_rel"] < 1e-6, err
+    with pytest.raises(ValueError, match="at least 3 batch points"):
+        fit_serving(points[:2], first, model, "colocated")
+    with pytest.raises(ValueError, match="2 prompt lengths"):
+        fit_serving(points, first[:3], model, "colocated")
+
+
+def test_prefill_factor_and_first_token_cost_follow_the_request_path():
+    colocated = ServingModel(s0=0.001, r0=0.002, r1=0.0003, k_prefill=1.2, f0=0.003)
+    split = ServingModel(s0=0.0005, r0=0.004, r1=0.0002, k_prefill=1.5, f0=0.006)
+    paths = ServingPaths(colocated, split)
+    model, rec = one_request(paths, "colocated")
+    # colocated: the router's time, the prefill step stretched by k_prefill, its step cost, the relay, f0
+    first = colocated.r0 + colocated.k_prefill * model.prefill_s(100) + colocated.step_extra_s(1)
+    assert rec.ttft_s == pytest.approx(first + colocated.r1 + colocated.f0)
+    gaps = [b - a for a, b in zip(rec.token_times_s, rec.token_times_s[1:])]
+    assert gaps[1] == pytest.approx(model.decode_s(1, 102) + colocated.step_extra_s(1))  # decode: no k, no f0
+    # split: the prefill worker's step stretched by the split path's k_prefill, no step cost of its own
+    model, rec = one_request(paths, "split")
+    assert rec.ttft_s == pytest.approx(split.r0 + split.k_prefill * model.prefill_s(100) + split.r1 + split.f0)
+    # the same costs as one model for both paths change the answer: the paths are really told apart
+    _, same = one_request(ServingPaths(colocated, colocated), "split")
+    assert same.ttft_s != pytest.approx(rec.ttft_s)
 
 
 @pytest.mark.parametrize(
