@@ -21,6 +21,22 @@ def _set_secret(secret: str | None) -> None:
         os.environ[SECRET_ENV] = secret
 
 
+def _threads() -> list[int]:
+    """Thread ids of this process (Linux)."""
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process to ``cpus``: the engine's and torch's threads, the event
+    loop, and the gRPC and Ray threads started before this call (``os.sched_setaffinity`` sets one
+    thread's mask; threads started later inherit their creator's)."""
+    for tid in _threads():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 @ray.remote
 class WorkerActor:
     """One worker process; its role (or first role, when switchable) is given to ``start``."""
@@ -53,7 +69,7 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         _set_secret(secret)
         if cpus:
-            os.sched_setaffinity(0, cpus)
+            pin_process(cpus)
             logging.getLogger(__name__).info("%s worker pinned to CPUs %s", role, cpus)
         if switchable:
             from functools import partial
@@ -72,8 +88,14 @@ class WorkerActor:
         return self.advertised
 
     def affinity(self) -> list[int]:
-        """CPU ids this worker's engine thread may run on (Linux)."""
-        return sorted(os.sched_getaffinity(0))
+        """CPU ids any thread of this worker's process may run on (Linux)."""
+        allowed: set[int] = set()
+        for tid in _threads():
+            try:
+                allowed |= os.sched_getaffinity(tid)
+            except ProcessLookupError:
+                pass
+        return sorted(allowed)
 
     async def stop(self) -> None:
         if self.running is not None:

@@ -128,8 +128,9 @@ class ClusterConfig:
         """Disjoint CPU ids for each CPU worker, ``cpus_per_worker`` apiece in role order, when they
         all fit in ``num_cpus``; else None (workers then share cores as the OS schedules them).
 
-        Pinning keeps a worker's torch threads and event loop on its own share, so they do not
-        spin-wait on a core another worker's matmul holds.
+        Pinning keeps all of a worker's threads (torch's, the engine's, its event loop's, gRPC's
+        and Ray's, ``cluster.actors.pin_process``) on its own share, so they neither spin-wait on a
+        core another worker's matmul holds nor take time from it.
         """
         c = self.cpus_per_worker
         if len(self.roles) * c > num_cpus:

@@ -19,14 +19,16 @@ ROUTER_WINDOW_S = 0.5  # the router's CPU use is averaged over this much of the 
 class ServingModel:
     """One serving path (planner/serving_fit.py measures it): ``s0 + s1*b`` seconds a worker's step
     of ``b`` token rows takes beyond the engine's predicted time; ``r0`` seconds of router and
-    client CPU per request and ``r1`` per token; prefill steps take ``k_prefill`` times the engine's
-    predicted time; a request's first token reaches its client ``f0`` seconds after what the rest
-    accounts for (the RPCs and wake-ups around a prefill). The defaults: the engine's steps only."""
+    client CPU per request, ``rs`` per worker step with tokens and ``r1`` per token; prefill steps
+    take ``k_prefill`` times the engine's predicted time; a request's first token reaches its
+    client ``f0`` seconds after what the rest accounts for (the RPCs and wake-ups around a
+    prefill). The defaults: the engine's steps only."""
 
     s0: float = 0.0
     s1: float = 0.0
     r0: float = 0.0
     r1: float = 0.0
+    rs: float = 0.0
     k_prefill: float = 1.0
     f0: float = 0.0
 
@@ -87,8 +89,8 @@ class ServingPaths:
 
 class HostCpu:
     """The cores that the workers (``threads`` each while they compute), the router and the load
-    generator (``serving.r0`` / ``r1`` of CPU per request / token, averaged over the last
-    ``ROUTER_WINDOW_S``) share. ``cores`` 0: each worker has cores of its own and the router and
+    generator (``ServingModel.r0`` / ``rs`` / ``r1`` of CPU per request / step / token, averaged over
+    the last ``ROUTER_WINDOW_S``) share. ``cores`` 0: each worker has cores of its own and the router and
     clients run elsewhere, so nothing slows down. When the demand exceeds the cores, every step
     stretches by demand / cores (fair sharing of the cores, as the OS scheduler does)."""
 

@@ -9,7 +9,8 @@ Per placement (``fits.serving``: colocated; ``fits.serving_split``: a prefill an
   step slower than the profiled engine's. Fitted to ``wall_s - predicted engine`` of the batch
   points as ``s0*steps + s1*b*steps + request_s*b`` (``request_s``: the router admitting the
   burst of ``b`` requests, kept beside the coefficients; the simulator charges it as ``r0``);
-- ``r0*requests + r1*tokens``: the router's and the client's CPU (``router_cpu_s``);
+- ``r0*requests + rs*steps + r1*tokens``: the router's and the client's CPU (``router_cpu_s``);
+  ``rs`` is a worker step's message to the router, ``r1`` each token's relay to its client;
 - ``f0 + k_prefill*prefill_s(n)``: the first token of a lone request with an ``n``-token prompt,
   after an idle spell (the first-token points: ``ttft_s`` less ``r0``, ``r1`` and, colocated, the
   step's ``s0 + s1``). ``k_prefill`` is how much longer a prefill step takes in a serving worker
@@ -28,13 +29,14 @@ SERVING_UNITS = {
     "s1": "s/sequence",
     "r0": "s/request",
     "r1": "s/token",
+    "rs": "s/step",
     "k_prefill": "ratio",
     "f0": "s",
 }
-OPTIONAL = ("k_prefill", "f0")  # absent from profiles measured before the first-token points
+OPTIONAL = ("k_prefill", "f0", "rs")  # absent from profiles measured before the first-token points
 SERVING_FORMULA = (
     "wall per step beyond the engine's predicted time: s0 + s1*b; router and client CPU: r0*requests + "
-    "r1*tokens; a lone request's TTFT: r0 + r1 [+ s0 + s1 colocated] + f0 + k_prefill*prefill_s(n)"
+    "rs*steps + r1*tokens; a lone request's TTFT: r0 + r1 [+ s0 + s1 colocated] + f0 + k_prefill*prefill_s(n)"
 )
 
 
@@ -58,17 +60,18 @@ def fit_serving(points: list[dict], first_token: list[dict], model: StepModel, p
     extra = [max(1e-6, q["wall_s"] - predicted_engine_s(model, q)) for q in points]  # the fit wants > 0
     s0, s1, request_s = fit_relative(rows, extra)
     cpu = [q["router_cpu_s"] for q in points]
-    r0, r1 = fit_relative([[q["batch"], q["batch"] * q["output_tokens"]] for q in points], cpu)
+    cpu_rows = [[q["batch"], q["steps"], q["batch"] * q["output_tokens"]] for q in points]
+    r0, rs, r1 = fit_relative(cpu_rows, cpu)
     fixed = r0 + r1 + (s0 + s1 if placement == "colocated" else 0.0)
     ttft = [statistics.median(q["ttft_s"] for q in first_token if q["prompt_tokens"] == n) for n in lengths]
     f0, k = fit_relative([[1.0, model.prefill_s(n)] for n in lengths], [max(1e-6, t - fixed) for t in ttft])
-    values = {"s0": s0, "s1": s1, "r0": r0, "r1": r1, "k_prefill": k, "f0": f0}
+    values = {"s0": s0, "s1": s1, "r0": r0, "r1": r1, "rs": rs, "k_prefill": k, "f0": f0}
     return {
         "formula": SERVING_FORMULA,
         "placement": placement,
         "coefficients": {name: {"value": v, "unit": SERVING_UNITS[name]} for name, v in values.items()},
         "request_s": request_s,
         "error": error_stats([s0 * r[0] + s1 * r[1] + request_s * r[2] for r in rows], extra),
-        "router_cpu_error": error_stats([r0 * q["batch"] + r1 * q["batch"] * q["output_tokens"] for q in points], cpu),
+        "router_cpu_error": error_stats([r0 * a + rs * b + r1 * c for a, b, c in cpu_rows], cpu),
         "first_token_error": error_stats([fixed + f0 + k * model.prefill_s(n) for n in lengths], ttft),
     }

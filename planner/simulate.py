@@ -111,7 +111,7 @@ class Simulator:
         """Give ``w`` ``role``, and the serving costs of its steps: its path's ``step_extra_s`` and
         ``k_prefill`` (a prefill worker: the split path's ``k_prefill``, no step cost of its own)."""
         w.role = w.handle.role = role
-        path = self.paths.split if role != "colocated" else self.paths.colocated
+        w.path = path = self.paths.split if role != "colocated" else self.paths.colocated
         w.step_extra = ServingModel(k_prefill=path.k_prefill) if role == "prefill" else path
         w.engine.runner.prefill_factor = path.k_prefill if role == "prefill" else self.paths.colocated.k_prefill
 
@@ -167,6 +167,8 @@ class Simulator:
         if w.engine.has_work():
             w.outputs = w.engine.step()
             extra = w.step_extra.step_extra_s(len(w.outputs))
+            if w.outputs:  # the step's message to the router
+                self.host.charge_router(t, w.path.rs)
             busy = sum(x.busy for x in self.workers) * self.threads
             w.clock.now_s = t + (w.clock.now_s - t + extra) * self.host.stretch(t, busy)
         if w.engine.runner.num_steps == steps:  # nothing could run: wait for new work

@@ -5,6 +5,8 @@ serving probe's fit on known points."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.engine.config import EngineConfig
@@ -98,10 +100,24 @@ def test_colocated_workers_on_fewer_cores_run_slower():
     assert e2e(4) == pytest.approx(alone)  # more cores than demand: no slowdown
 
 
+def test_each_step_message_loads_the_shared_cores():
+    model = StepModel.from_profile(toy_profile())
+    engine = EngineConfig(model="embedded", max_num_batched_tokens=256)
+    specs = [RequestSpec(i, i * 0.01, tuple(range(3 + i, 67 + i)), 16, "random") for i in range(8)]
+
+    def e2e(serving: ServingModel, cores: float) -> float:
+        recs = Simulator(SimConfig(engine, "colocated", 1, 1, host_cores=cores), model, "float32", serving).run(specs)
+        return max(r.token_times_s[-1] for r in recs)
+
+    heavy = dataclasses.replace(SERVING, rs=0.01)  # a router that spends 10 ms on each step's message
+    assert e2e(heavy, 2) > 1.1 * e2e(SERVING, 2)  # two busy workers and that router on two cores
+    assert e2e(heavy, 0) == pytest.approx(e2e(SERVING, 0))  # cores of their own: the router costs no step time
+
+
 def test_the_probe_fit_recovers_known_costs():
     model = StepModel.from_profile(toy_profile())
     for placement in ("colocated", "split"):
-        truth = ServingModel(s0=0.001, s1=5e-5, r0=0.002, r1=3e-4, k_prefill=1.3, f0=0.004)
+        truth = ServingModel(s0=0.001, s1=5e-5, r0=0.002, r1=3e-4, rs=4e-4, k_prefill=1.3, f0=0.004)
         request_s = 0.0025  # the router admitting each request of a burst
         points = []
         for b in (1, 4, 16, 32):
@@ -110,7 +126,12 @@ def test_the_probe_fit_recovers_known_costs():
                 # the worker's own engine counter is not what the fit reads: the model's prediction is
                 wall = predicted_engine_s(model, q) + n * truth.step_extra_s(b) + request_s * b
                 points.append(
-                    {**q, "wall_s": wall, "engine_s": 0.5 * wall, "router_cpu_s": truth.r0 * b + truth.r1 * b * n}
+                    {
+                        **q,
+                        "wall_s": wall,
+                        "engine_s": 0.5 * wall,
+                        "router_cpu_s": truth.r0 * b + truth.rs * n + truth.r1 * b * n,
+                    }
                 )
         fixed = truth.r0 + truth.r1 + (truth.step_extra_s(1) if placement == "colocated" else 0.0)
         first = [
