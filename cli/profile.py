@@ -94,6 +94,7 @@ SCALES = {
     "s/token^2": (1e9, "ns/token^2"),
     "s/sequence": (1e6, "us/seq"),
     "s/request": (1e3, "ms/request"),
+    "s/step": (1e6, "us/step"),
     "s/context token": (1e9, "ns/ctx token"),
     "bytes/s": (1e-9, "GB/s"),
     "ratio": (1.0, "x"),

@@ -112,7 +112,7 @@ class Simulator:
         ``k_prefill`` (a prefill worker: the split path's ``k_prefill``, no step cost of its own)."""
         w.role = w.handle.role = role
         w.path = path = self.paths.split if role != "colocated" else self.paths.colocated
-        w.step_extra = ServingModel(k_prefill=path.k_prefill) if role == "prefill" else path
+        w.step_extra = ServingModel() if role == "prefill" else path
         w.engine.runner.prefill_factor = path.k_prefill if role == "prefill" else self.paths.colocated.k_prefill
 
     # -- the event loop -------------------------------------------------------------------------
