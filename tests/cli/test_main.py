@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -63,6 +66,11 @@ def test_serve_says_when_it_made_the_cluster_secret(monkeypatch):
     assert secret_note() is None  # the user chose it, so knows it
 
 
+def _pump(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+
+
 def test_serve_generate_and_ctrl_c():
     port, http_port = _free_ports()
     model = ["--model", str(STORIES)] if (STORIES / "model.safetensors").is_file() else []
@@ -74,13 +82,13 @@ def test_serve_generate_and_ctrl_c():
         env={**_without_secret(), "PYTHONUNBUFFERED": "1"},
     )
     try:
-        deadline = time.monotonic() + 240
-        lines = []
-        while time.monotonic() < deadline:
-            line = serve.stdout.readline()
-            lines.append(line)
-            if "serving on" in line or serve.poll() is not None:
-                break
+        # a reader thread, so that the deadline holds even while serve prints nothing
+        out: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_pump, args=(serve.stdout, out), daemon=True).start()
+        deadline, lines = time.monotonic() + 240, [""]
+        while "serving on" not in lines[-1] and serve.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                lines.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
         assert "serving on" in lines[-1], "".join(lines)
         assert f"http://127.0.0.1:{http_port}/v1" in lines[-1]
         assert sum("cluster secret: generated for this run" in line for line in lines) == 1
