@@ -101,13 +101,25 @@ def cmd_plan(args) -> int:
         sim = Simulator(SimConfig(engine, "colocated", 1, 0), model, dtype)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the profile's model {spec!r}: {exc}") from None
+    # a synthetic arrival process: as many distinct requests as the longest probe, so that no probe
+    # sends a prompt twice (a repeat would meet the prefix cache, and no user sends one)
+    wanted = args.num_requests
+    if args.arrival != "trace":
+        args.num_requests = max(wanted, args.max_probe_requests)
     specs = build_specs(args, sim.tokenizer, sim.max_model_len, 1.0)
+    if len(specs) < args.max_probe_requests:
+        print(
+            f"note: the trace gives {len(specs)} requests; probes longer than that replay them, "
+            "and a replayed prompt meets the prefix cache",
+            flush=True,
+        )
     cands = candidates(args.workers, args.max_unit, args.local_prefill_tokens, args.max_num_seqs)
     planner = Planner(
         engine, model, dtype, slo, args.attainment, args.routing, args.max_requests_per_worker, args.search_steps,
-        args.rates, args.max_probe_requests, serving, args.host_cores / args.workers,
+        args.rates, args.max_probe_requests, serving, args.host_cores / args.workers, min_requests=wanted,
     )  # fmt: skip
-    print(f"searching {len(cands)} candidates with {len(specs)} requests each probe; {SCALING_NOTE}", flush=True)
+    probe = f"{min(wanted, len(specs))}-{args.max_probe_requests}"
+    print(f"searching {len(cands)} candidates with {probe} requests a probe; {SCALING_NOTE}", flush=True)
     t0 = time.perf_counter()
     rows = planner.run(cands, specs, args.workers)
     wall = time.perf_counter() - t0
@@ -126,7 +138,7 @@ def cmd_plan(args) -> int:
         "slo_ttft_s": slo.ttft_s,
         "slo_tpot_s": slo.tpot_s,
         "attainment_target": args.attainment,
-        "requests_per_probe": len(specs),
+        "requests_per_probe": [min(wanted, len(specs)), args.max_probe_requests],
         "simulations": planner.simulations,
         "scaling": SCALING_NOTE,
         "host_cores": args.host_cores,

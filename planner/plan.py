@@ -77,8 +77,8 @@ def candidates(
 
 
 def scaled(specs: list[RequestSpec], factor: float, count: int | None = None) -> list[RequestSpec]:
-    """``specs`` sent ``factor`` times as fast (send times divided by it), repeated in turn (each
-    round after the last, one mean gap later) to ``count`` requests."""
+    """The first ``count`` of ``specs`` sent ``factor`` times as fast (send times divided by it);
+    past ``len(specs)`` they repeat in turn (each round after the last, one mean gap later)."""
     count = count or len(specs)
     period = specs[-1].send_at_s + specs[-1].send_at_s / max(len(specs) - 1, 1) if specs else 0.0
     out = []
@@ -96,19 +96,21 @@ class Planner:
     def __init__(self, engine: EngineConfig, model: StepModel, dtype: str, slo: SLO, attainment: float = 0.9,
                  routing: str = "prefix-aware", max_requests_per_worker: int = 512, search_steps: int = 4,
                  rates: list[float] | None = None, max_requests: int = 100, serving: ServingPaths | None = None,
-                 host_cores_per_worker: float = 0.0) -> None:  # fmt: skip
+                 host_cores_per_worker: float = 0.0, min_requests: int | None = None) -> None:  # fmt: skip
         self.engine, self.model, self.dtype, self.slo = engine, model, dtype, slo
         self.serving, self.host_cores_per_worker = serving, host_cores_per_worker
         self.attainment, self.routing, self.bound = attainment, routing, max_requests_per_worker
         self.search_steps, self.rates = search_steps, sorted(rates) if rates else None
-        self.simulations, self.max_requests = 0, max_requests
+        self.simulations, self.max_requests, self.min_requests = 0, max_requests, min_requests
 
     def count(self, specs: list[RequestSpec], rate: float) -> int:
         """Requests of a probe at ``rate``: enough to span twice a request's SLO budget (TTFT + TPOT
-        x mean output) so that a queue can build, at least ``len(specs)``, at most ``max_requests``."""
+        x mean output) so that a queue can build, at least ``min_requests`` (None: ``len(specs)``),
+        at most ``max_requests``."""
         mean_out = sum(s.max_tokens for s in specs) / len(specs)
         span = 2 * (self.slo.ttft_s + self.slo.tpot_s * mean_out)
-        return max(len(specs), min(self.max_requests, math.ceil(rate * span)))
+        floor = len(specs) if self.min_requests is None else min(self.min_requests, len(specs))
+        return max(floor, min(self.max_requests, math.ceil(rate * span)))
 
     def check_fits(self, specs: list[RequestSpec]) -> None:
         """ValueError (one line) when a request cannot run on the model (too long, KV too small)."""

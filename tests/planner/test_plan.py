@@ -7,7 +7,11 @@ import json
 
 import pytest
 
-from pdserve.planner.plan import candidates, ratios
+from pdserve.engine.config import EngineConfig
+from pdserve.loadgen import metrics
+from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner.plan import Planner, candidates, ratios, scaled
+from pdserve.planner.step_model import StepModel
 from tests.planner.test_simulate import run_cli, toy_profile
 
 WORKLOAD = ["--arrival", "poisson", "--prompts", "random", "--num-requests", "12", "--input-len", "64"]
@@ -101,3 +105,17 @@ def test_bad_profile_exits_2(tmp_path):
     del p["fits"]["decode"]
     code, _, err, _ = plan(tmp_path, p, "4", *SLO)
     assert code == 2 and err.startswith("error:")
+
+
+def test_a_synthetic_workload_probes_distinct_prompts(tmp_path):
+    code, out, _, doc = plan(tmp_path, profile(1e-4, 1e-4), "2", *SLO, "--max-probe-requests", "40")
+    assert code == 0 and doc["requests_per_probe"] == [12, 40] and "with 12-40 requests a probe" in out
+    specs = [RequestSpec(i, float(i), (3 + i,) * 8, 16, "random") for i in range(40)]  # what plan builds: 40
+    planner = Planner(EngineConfig(model="embedded"), StepModel.from_profile(toy_profile()), "float32",
+                      metrics.SLO(0.4, 0.06), max_requests=40, min_requests=12)  # fmt: skip
+    assert planner.count(specs, 0.01) == 12  # a slow probe: the workload's own count
+    for rate in (0.5, 5, 50, 5000):  # a fast one: up to the cap, and never a prompt twice
+        n = planner.count(specs, rate)
+        probe = scaled(specs, rate, n)
+        assert 12 <= n <= 40 and len({s.prompt_token_ids for s in probe}) == n
+        assert [s.send_at_s for s in probe] == [s.send_at_s / rate for s in specs[:n]]
