@@ -46,16 +46,20 @@ class ServingModel:
         if fit is None:
             return None
         coefs = fit.get("coefficients") if isinstance(fit, dict) else None
+        if not isinstance(coefs, dict):
+            raise ValueError(f"profile has no fits.{section}.coefficients object")
         values = {}
         for name in SERVING_UNITS:
-            c = coefs.get(name) if isinstance(coefs, dict) else None
+            c = coefs.get(name)
             if c is None and name in OPTIONAL:
                 continue
             if not isinstance(c, dict) or "value" not in c:
                 raise ValueError(f"profile has no coefficient fits.{section}.coefficients.{name}")
             v = c["value"]
             if not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ValueError(f"profile coefficient fits.{section}.coefficients.{name} must be >= 0, got {v!r}")
+                raise ValueError(
+                    f"profile coefficient fits.{section}.coefficients.{name} must be a number >= 0, got {v!r}"
+                )
             values[name] = float(v)
         return cls(**values)
 

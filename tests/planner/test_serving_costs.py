@@ -52,6 +52,10 @@ def test_the_serving_fit_is_read_back_and_its_absence_is_none():
     both = with_serving(with_serving(profile, SERVING), split, "serving_split")
     assert ServingPaths.from_profile(both) == ServingPaths(SERVING, split)
     assert ServingPaths.from_profile(profile) is None
+    served = with_serving(profile, SERVING)
+    not_an_object = {**served, "fits": {**served["fits"], "serving_split": "oops"}}
+    with pytest.raises(ValueError, match="no fits.serving_split.coefficients object"):
+        ServingPaths.from_profile(not_an_object)
 
 
 def test_each_step_token_and_request_pays_its_serving_cost():
@@ -176,8 +180,8 @@ def test_prefill_factor_and_first_token_cost_follow_the_request_path():
         ("handoff", "h1", 0, "coefficient h1 must be a number > 0"),
         ("prefill", "p0", -1, "coefficient p0 must be a number >= 0"),
         ("decode", "d1", float("nan"), "coefficient d1 must be a number >= 0"),
-        ("serving", "r1", -5, "fits.serving.coefficients.r1 must be >= 0"),
-        ("serving", "s0", float("nan"), "fits.serving.coefficients.s0 must be >= 0"),
+        ("serving", "r1", -5, "fits.serving.coefficients.r1 must be a number >= 0"),
+        ("serving", "s0", float("nan"), "fits.serving.coefficients.s0 must be a number >= 0"),
     ],
 )
 def test_coefficients_that_no_machine_measures_are_refused(section, name, value, message):
