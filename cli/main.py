@@ -76,7 +76,8 @@ def add_throughput_parser(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a pdserve command. Mistakes a user can fix (bad flags or files, a router that does not
-    answer, a cluster that cannot start) print one ``error:`` line and exit 2; Ctrl-C exits 130."""
+    answer, a cluster that cannot start) print one ``error:`` line and exit 2; Ctrl-C exits 130
+    (``serve`` takes it as its normal stop and exits 0)."""
     import grpc
 
     args, extra = build_parser().parse_known_args(argv)

@@ -31,6 +31,15 @@ def int_list(text: str) -> tuple[int, ...]:
     return vals
 
 
+def positive_int_list(text: str) -> tuple[int, ...]:
+    import argparse
+
+    vals = int_list(text)
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"need one or more integers >= 1: {text!r}")
+    return vals
+
+
 def float_list(text: str) -> list[float]:
     import argparse
 
@@ -57,7 +66,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--attainment", type=positive_fraction, default=0.9, help="SLO attainment target")
     p.add_argument("--max-unit", type=positive_int, default=4, help="largest split unit p + d searched (at most 8)")
     p.add_argument("--local-prefill-tokens", type=int_list, default=(0, 32, 256), help="split: values searched")
-    p.add_argument("--max-num-seqs", type=int_list, default=(16, 64), help="values searched")
+    p.add_argument("--max-num-seqs", type=positive_int_list, default=(16, 64), help="values searched")
     p.add_argument("--rates", type=float_list, default=None, help="sweep these rates (req/s per unit) instead")
     p.add_argument("--max-probe-requests", type=positive_int, default=100, help="cap on the requests of one probe")
     p.add_argument("--search-steps", type=non_negative_int, default=4, help="bisections after bracketing the rate")
@@ -127,11 +136,17 @@ def cmd_plan(args) -> int:
     best = rows[0]
     roles = ", ".join(f"{v} {k}" for k, v in best["workers"].items())
     idle = args.workers - best["units"] * best["unit"]
-    print(
-        f"best: {best['label']} (unit {best['unit']}): {roles} workers of {args.workers}"
-        f"{f' ({idle} idle)' if idle else ''}; predicted goodput {best['cluster_goodput_rps']:.3g} req/s "
-        f"({best['goodput_per_worker_rps']:.3g} per worker)"
-    )
+    if best["goodput_per_worker_rps"] > 0:
+        print(
+            f"best: {best['label']} (unit {best['unit']}): {roles} workers of {args.workers}"
+            f"{f' ({idle} idle)' if idle else ''}; predicted goodput {best['cluster_goodput_rps']:.3g} req/s "
+            f"({best['goodput_per_worker_rps']:.3g} per worker)"
+        )
+    else:
+        print(
+            f"best: none: no placement meets the SLO for {args.attainment:.0%} of requests at any rate probed; "
+            "loosen --slo-ttft-ms / --slo-tpot-ms or --attainment, or give a smaller workload"
+        )
     doc = {
         "workers": args.workers,
         "profile": args.profile,

@@ -104,7 +104,8 @@ SCALES = {
 def format_fits(profile: dict) -> str:
     """The machine and each fit's coefficients and error, one line each."""
     m = profile["machine"]
-    lines = [f"{m['cpu_model']}, {m['torch_threads']} torch threads, {m['device']}, {m['dtype']}, model {m['model']}"]
+    threads = f"{m['torch_threads']} torch thread{'s' if m['torch_threads'] != 1 else ''}"
+    lines = [f"{m['cpu_model']}, {threads}, {m['device']}, {m['dtype']}, model {m['model']}"]
     for section, fit in profile["fits"].items():
         coefs = []
         for name, c in fit["coefficients"].items():

@@ -136,7 +136,8 @@ def cmd_simulate(args) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the profile's model {spec!r}: {exc}") from None
     specs = build_specs(args, sim.tokenizer, sim.max_model_len, args.rate)
-    print(f"simulating {len(specs)} requests on {len(sim.workers)} {args.placement} workers", flush=True)
+    n = len(sim.workers)
+    print(f"simulating {len(specs)} requests on {n} {args.placement} worker{'s' if n != 1 else ''}", flush=True)
     t0 = time.perf_counter()
     records = sim.run(specs)
     wall = time.perf_counter() - t0

@@ -82,12 +82,29 @@ async def test_a_prefill_worker_that_dies_before_its_kv_arrives_is_noticed_at_on
         prefill_w.worker.kv_sender.send_kv_stream = never_push_stream
         loop = asyncio.get_running_loop()
         t = loop.time()
-        task = asyncio.create_task(client.generate(make_request("Once upon a time", max_tokens=20, temperature=0)))
+        first = asyncio.Event()
+
+        async def consume() -> tuple[list[int], str]:
+            tokens, error = [], ""
+            async for msg in client.stream(make_request("Once upon a time", max_tokens=20, temperature=0)):
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk" and msg.chunk.token_ids:
+                    tokens += msg.chunk.token_ids
+                    first.set()
+                elif kind == "error":
+                    error = f"{msg.error.code}: {msg.error.message}"
+            return tokens, error
+
+        task = asyncio.create_task(consume())
         await asyncio.wait_for(pushed.wait(), 10)
+        # the first token must have reached the router before the worker dies: one still in flight
+        # on the Prefill stream would make this a death before the first token (migrated, or
+        # refused with UNAVAILABLE when no prefill worker is left), which is another case
+        await asyncio.wait_for(first.wait(), 10)
         await prefill_w.server.stop(0)
-        res = await asyncio.wait_for(task, 15)
-        assert res.error and "UNAVAILABLE" in res.error and "died before its KV" in res.error
-        assert len(res.token_ids) == 1 and loop.time() - t < 10
+        tokens, error = await asyncio.wait_for(task, 15)
+        assert "UNAVAILABLE" in error and "died before its KV" in error
+        assert len(tokens) == 1 and loop.time() - t < 10
         decode = pipe.workers[1].worker.engine
         assert decode.blocks.num_used == 0 and not decode.scheduler.has_work()
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pdserve.cli.main import main
 from pdserve.engine.config import EngineConfig
 from pdserve.loadgen import metrics
 from pdserve.loadgen.workload import RequestSpec
@@ -119,3 +120,18 @@ def test_a_synthetic_workload_probes_distinct_prompts(tmp_path):
         probe = scaled(specs, rate, n)
         assert 12 <= n <= 40 and len({s.prompt_token_ids for s in probe}) == n
         assert [s.send_at_s for s in probe] == [s.send_at_s / rate for s in specs[:n]]
+
+
+def test_max_num_seqs_below_1_is_refused_by_its_flag(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile(1e-4, 1e-4)))
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--profile", str(path), "--workers", "2", *SLO, "--max-num-seqs", "0,16"])
+    assert exc.value.code == 2
+    assert "--max-num-seqs: need one or more integers >= 1: '0,16'" in capsys.readouterr().err
+
+
+def test_an_slo_no_placement_meets_says_so(tmp_path):
+    code, out, _, doc = plan(tmp_path, profile(1e-4, 1e-4), "2", "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
+    assert code == 0 and doc["best"]["goodput_per_worker_rps"] == 0
+    assert "best: none: no placement meets the SLO for 90% of requests" in out and "predicted goodput" not in out
