@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.router.local_prefill import DEFAULT_LOCAL_PREFILL_POLICY, LOCAL_PREFILL_POLICIES
+from pdserve.worker.cpus import cpu_shares
 
 PLACEMENTS = ("split", "colocated", "auto")
 
@@ -132,10 +133,7 @@ class ClusterConfig:
         and Ray's, ``cluster.actors.pin_process``) on its own share, so they neither spin-wait on a
         core another worker's matmul holds nor take time from it.
         """
-        c = self.cpus_per_worker
-        if len(self.roles) * c > num_cpus:
-            return None
-        return [list(range(i * c, (i + 1) * c)) for i in range(len(self.roles))]
+        return cpu_shares(len(self.roles), self.cpus_per_worker, num_cpus)
 
     def worker_engine(self, use_gpu: bool) -> EngineConfig:
         """Engine settings for one worker: its device and, on CPU, its thread count."""

@@ -27,6 +27,7 @@ import asyncio
 import multiprocessing
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.serving_fit import fit_serving
 from pdserve.planner.step_model import StepModel
+from pdserve.worker.cpus import cpu_shares
 
 DEFAULT_BATCHES = (1, 4, 16, 32)
 DEFAULT_OUTPUTS = (16, 64)
@@ -160,7 +162,7 @@ async def _measure(
                 await lone(n)  # warm-up: this prompt length's kernels
                 runs = [await lone(n) for _ in range(FIRST_TOKEN_REPEATS)]
                 first_points += runs
-                ttft = sorted(r["ttft_s"] for r in runs)[len(runs) // 2]
+                ttft = statistics.median(r["ttft_s"] for r in runs)
                 say(f"serving {placement:9} first token of {n:>5} prompt tokens: {ttft * 1e3:7.2f} ms (median)")
     finally:
         await router.stop()
@@ -180,12 +182,12 @@ def measure_serving(
     start or a request fails."""
     ctx = multiprocessing.get_context("spawn")
     roles, started = PLACEMENTS[placement], []
-    per = cfg.torch_threads or 1  # pinned as pdserve serve pins its CPU workers (ClusterConfig.cpu_sets)
-    pin = cfg.device == "cpu" and sys.platform.startswith("linux") and len(roles) * per <= (os.cpu_count() or 1)
+    pin = cfg.device == "cpu" and sys.platform.startswith("linux")  # as pdserve serve pins its CPU workers
+    shares = cpu_shares(len(roles), cfg.torch_threads or 1, os.cpu_count() or 1) if pin else None
     try:
         for i, role in enumerate(roles):
             parent, child = ctx.Pipe()
-            cpus = list(range(i * per, (i + 1) * per)) if pin else None
+            cpus = shares[i] if shares else None
             proc = ctx.Process(target=_worker_main, args=(role, cfg, cpus, child), daemon=True)
             proc.start()
             started.append((role, proc, parent))

@@ -36,7 +36,6 @@ class SimWorker:
         self.outputs: list[StepOutput] = []  # of the step under way, handled when it ends
         self.awaiting_kv = 0  # requests routed here whose KV has not been admitted
         self.path = ServingModel()  # its role's serving path (Simulator.set_role)
-        self.step_extra = ServingModel()  # its serving path's cost per step (Simulator.set_role)
 
 
 @dataclass

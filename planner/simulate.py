@@ -112,7 +112,6 @@ class Simulator:
         ``k_prefill`` (a prefill worker: the split path's ``k_prefill``, no step cost of its own)."""
         w.role = w.handle.role = role
         w.path = path = self.paths.split if role != "colocated" else self.paths.colocated
-        w.step_extra = ServingModel() if role == "prefill" else path
         w.engine.runner.prefill_factor = path.k_prefill if role == "prefill" else self.paths.colocated.k_prefill
 
     # -- the event loop -------------------------------------------------------------------------
@@ -166,7 +165,7 @@ class Simulator:
         w.clock.now_s = t
         if w.engine.has_work():
             w.outputs = w.engine.step()
-            extra = w.step_extra.step_extra_s(len(w.outputs))
+            extra = 0.0 if w.role == "prefill" else w.path.step_extra_s(len(w.outputs))
             if w.outputs:  # the step's message to the router
                 self.host.charge_router(t, w.path.rs)
             busy = sum(x.busy for x in self.workers) * self.threads
