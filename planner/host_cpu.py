@@ -40,8 +40,8 @@ class ServingModel:
     def from_profile(cls, profile: dict, section: str = "serving") -> ServingModel | None:
         """The profile's ``fits.<section>``, or None when it has none (a profile written with
         ``--no-serving``). ValueError when the section is there but lacks a coefficient or holds one
-        no machine measures; ``k_prefill`` and ``f0`` may be absent (profiles written before them
-        were measured: 1 and 0)."""
+        no machine measures; ``k_prefill``, ``f0`` and ``rs`` may be absent (a profile that does not
+        measure them): 1, 0 and 0."""
         fit = profile.get("fits", {}).get(section)
         if fit is None:
             return None
