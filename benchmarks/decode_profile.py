@@ -2,7 +2,7 @@
 """Where a decode step's time goes, beside the bound this machine allows, at several batch sizes.
 
     python benchmarks/decode_profile.py [--model embedded:llama-80m] [--dtype bfloat16] [--batch 1 8 32]
-        [--context 256] [--steps 30] [--threads N] [--torch-profile]
+        [--context 256] [--steps 30] [--threads N] [--linear-kernel auto|onednn] [--torch-profile]
 
 For each batch size, ``batch`` prompts of ``--context`` random tokens are prefilled, then
 ``--steps`` decode steps of the whole batch are timed (after 3 warm-up steps). Every part of the
@@ -38,7 +38,7 @@ from pdserve.cli.throughput import matmul_tflops, memory_gbps, model_flops_per_t
 from pdserve.engine import model_runner
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.models import attention, linear, quant
+from pdserve.engine.models import attention, kernels, linear, quant
 from pdserve.engine.params import SamplingParams
 
 WARMUP_STEPS = 3
@@ -82,7 +82,7 @@ class Timers:
 
 def instrument_classes(timers: Timers, ops_cls: type) -> None:
     """Time the linear, attention and elementwise classes and sampling (once per process)."""
-    classes = [*vars(linear).values(), *vars(quant).values()]  # dense and --quantization linears
+    classes = [*vars(linear).values(), *vars(quant).values(), kernels.Bf16Linear]  # dense and quantized
     for cls in {x for x in classes if isinstance(x, type) and x.__name__.endswith("Linear")}:
         if "__call__" in vars(cls):
             timers.wrap(cls, "__call__", "linear")
@@ -202,14 +202,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument("--lm-head-quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
+    p.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=["auto", "onednn"],
+        help="bfloat16 linears: the engine's choice (auto), or oneDNN's GEMM even where pdserve's kernel runs",
+    )
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.linear_kernel == "onednn":
+        linear.bf16_linear = lambda weight, bias: None
     bandwidth = memory_gbps(torch.device("cpu"))
     print(
         f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; model {args.model}, {args.dtype}, context {args.context}"
+        f"; linear kernel {args.linear_kernel}"
     )
     timers = Timers()
     for i, batch in enumerate(args.batch):

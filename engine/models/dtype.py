@@ -27,6 +27,11 @@ def cpu_flags() -> frozenset[str]:
     )
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX bfloat16 tiles (``amx_bf16``): oneDNN's GEMM runs on them."""
+    return "amx_bf16" in cpu_flags()
+
+
 def native_bf16(device: torch.device) -> str | None:
     """The hardware feature that gives ``device`` native bfloat16 matmul, or None.
 

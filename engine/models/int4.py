@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.models.dtype import cpu_flags
+from pdserve.engine.models.dtype import has_amx
 from pdserve.engine.models.kernels import vnni_linear
 
 INT4_GROUP_SIZE = 32
@@ -48,7 +48,7 @@ AMX_VNNI_MAX_ROWS = 128
 def vnni_max_rows() -> int:
     """Rows up to which the AVX512-VNNI kernels run a call: ``AMX_VNNI_MAX_ROWS`` on a CPU with AMX,
     else every call (``sys.maxsize``)."""
-    return AMX_VNNI_MAX_ROWS if "amx_bf16" in cpu_flags() else sys.maxsize
+    return AMX_VNNI_MAX_ROWS if has_amx() else sys.maxsize
 
 
 def _grid_step(w: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:

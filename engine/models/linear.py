@@ -1,10 +1,14 @@
 """Linear layers whose weights are laid out once, at load time, for the device's fastest GEMM.
 
-On CPU, oneDNN's packed (blocked) weight format lets ``torch.ops.mkldnn._linear_pointwise`` skip the
-per-call reorder that ``F.linear`` pays, which matters most at decode's small row counts (figures:
-docs/measurements.md). These are the ops Inductor's freezing pass emits
-(``torch/_inductor/fx_passes/mkldnn_fusion.py``). Everywhere else, and for dtypes oneDNN cannot
-pack on this CPU (float16 without AVX512-FP16), the weight stays a plain tensor for ``F.linear``.
+On a CPU with AVX512-BF16 and no AMX, bfloat16 weights run pdserve's own kernel
+(``csrc/bf16_linear.cpp``, ``Bf16Linear``): a decode step's few rows stream the weight near the
+memory's read bandwidth, where oneDNN's GEMM read it at about half, and larger calls run at oneDNN's
+rate (figures: docs/measurements.md). Elsewhere on CPU, oneDNN's packed (blocked) weight format lets
+``torch.ops.mkldnn._linear_pointwise`` skip the per-call reorder that ``F.linear`` pays, which
+matters most at decode's small row counts. These are the ops Inductor's freezing pass emits
+(``torch/_inductor/fx_passes/mkldnn_fusion.py``); AMX CPUs keep them, for their AMX GEMM. Everywhere
+else, and for dtypes oneDNN cannot pack on this CPU (float16 without AVX512-FP16), the weight stays a
+plain tensor for ``F.linear``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.models.kernels import bf16_linear
 from pdserve.engine.models.quant import current_scheme, quantized_linear
 
 # oneDNN picks its blocked layout for this many rows; 1-32 rows measured equal, 2048 slower at 32
@@ -58,14 +63,18 @@ def make_linear(
 
     ``quantizable`` (the decoder layers' projections and experts) or ``lm_head``: quantized when a
     ``quant.quantization`` scheme other than "none" is in force for it and the weight can take it
-    (``quant.quantized_linear``). Packing is tried once; a weight oneDNN refuses (wrong device,
-    dtype or CPU) stays plain.
+    (``quant.quantized_linear``). Else a bfloat16 weight takes ``kernels.bf16_linear`` where that
+    kernel runs; else oneDNN packing is tried once, and a weight oneDNN refuses (wrong device, dtype
+    or CPU) stays plain.
     """
     scheme = current_scheme(lm_head) if quantizable or lm_head else "none"
     if scheme != "none":
         quantized = quantized_linear(weight, bias, scheme)
         if quantized is not None:
             return quantized
+    own = bf16_linear(weight, bias)
+    if own is not None:
+        return own
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:
             return PackedLinear(weight.contiguous(), bias)

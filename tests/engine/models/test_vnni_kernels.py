@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.models import int4
+from pdserve.engine.models import dtype, int4
 from pdserve.engine.models.int4 import Int4Linear, dequantize_int4, pack_for_vnni, quantize_int4
 from pdserve.engine.models.quant import Int8Linear, pack_int8_for_vnni, quantize_int8
 
@@ -87,9 +87,9 @@ def test_more_rows_than_the_limit_run_the_dequantized_gemm(scheme):
 
 
 def test_the_row_limit_holds_only_where_amx_makes_the_dense_gemm_faster(monkeypatch):
-    monkeypatch.setattr(int4, "cpu_flags", lambda: {"avx512_vnni", "amx_bf16"})
+    monkeypatch.setattr(dtype, "cpu_flags", lambda: {"avx512_vnni", "amx_bf16"})
     assert int4.vnni_max_rows() == int4.AMX_VNNI_MAX_ROWS
-    monkeypatch.setattr(int4, "cpu_flags", lambda: {"avx512_vnni", "avx512_bf16"})
+    monkeypatch.setattr(dtype, "cpu_flags", lambda: {"avx512_vnni", "avx512_bf16"})
     assert int4.vnni_max_rows() > 1_000_000
 
 
