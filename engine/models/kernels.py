@@ -29,7 +29,8 @@ from pdserve.engine.models.dtype import cpu_flags, has_amx
 from pdserve.engine.models.embedded import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f for f in ("paged_attention.cpp", "elementwise_bf16.cpp", "quant_linear.cpp", "bf16_linear.cpp"))
+_SOURCE_NAMES = ("paged_attention.cpp", "elementwise_bf16.cpp", "quant_linear.cpp", "bf16_linear.cpp")
+SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
 HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
