@@ -132,6 +132,13 @@ inline __m512 row_sums16(const __m512 (&v)[16]) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+// Where attend_chunk_dpbf16 keeps dim d of a head in its accumulators: each 32 dims are two vectors
+// (unpacklo, unpackhi), whose lane 4L + t holds dim 8L + t and 8L + 4 + t.
+constexpr int64_t acc_slot(int64_t d) {
+  const int64_t r = d % 32, half = (r % 8) / 4;
+  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
+}
+
 // attend_chunk for bfloat16 with head_dim 64 or 128: scores by vdpbf16ps, 16 positions per reduction
 // tree; p . v with each group's accumulators in registers, several groups per pass over the V rows.
 template <int kHeadDim>
@@ -139,35 +146,41 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
                          const int64_t* slots, int64_t n, int64_t row,
                          int64_t groups, float scale, float softcap) {
   constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
+  static_assert(kChunk == 16, "one reduction tree scores a chunk");
   alignas(64) float s[kMaxGroups][kChunk];
   float corr[kMaxGroups];
   const __m512 vscale = _mm512_set1_ps(scale);
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);  // n <= 16 positions in this chunk
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      __m512 part[16];
-      for (int j = 0; j < 16; ++j) {
-        part[j] = _mm512_setzero_ps();
-        if (j0 + j < n) {
-          const uint16_t* kp = k + slots[j0 + j] * row;
-          for (int c = 0; c < kBf; ++c)
-            part[j] = _mm512_dpbf16_ps(part[j], st.qb[g][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
-        }
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) {
+      part[j] = _mm512_setzero_ps();
+      if (j < n) {
+        const uint16_t* kp = k + slots[j] * row;
+        for (int c = 0; c < kBf; ++c)
+          part[j] = _mm512_dpbf16_ps(part[j], st.qb[g][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
       }
-      _mm512_store_ps(s[g] + j0, _mm512_mul_ps(row_sums16(part), vscale));
     }
-    if (softcap > 0.f) cap_scores(s[g], n, softcap);
-    float mx = st.m[g];
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[g][j]);
+    __m512 sv = _mm512_mul_ps(row_sums16(part), vscale);
+    if (softcap > 0.f) {
+      _mm512_store_ps(s[g], sv);
+      cap_scores(s[g], n, softcap);
+      sv = _mm512_load_ps(s[g]);
+    }
+    // online softmax update, 16 positions at once; lanes past n weigh 0
+    const float mx = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, sv));
     corr[g] = pdserve::exp_approx(st.m[g] - mx);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      s[g][j] = pdserve::exp_approx(s[g][j] - mx);
-      sum += s[g][j];
-    }
-    st.l[g] = st.l[g] * corr[g] + sum;
+    const __m512 p = _mm512_maskz_mov_ps(valid, pdserve::exp_approx16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+    _mm512_store_ps(s[g], p);
+    st.l[g] = st.l[g] * corr[g] + _mm512_reduce_add_ps(p);
     st.m[g] = mx;
   }
+  // p . v by vdpbf16ps over pairs of positions, p rounded to bfloat16 first, as SDPA's CPU kernel
+  // rounds its probabilities before the product with V. unpacklo/hi_epi16 of two V rows gives each
+  // lane a (row j, row j + 1) pair of one dim, so the accumulators hold the dims in acc_slot order.
+  alignas(64) uint16_t pb[kMaxGroups][kChunk];  // lanes past n are 0, so an odd n pairs its last row with 0
+  for (int64_t g = 0; g < groups; ++g)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
     const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
     __m512 acc[kPassGroups][kF];
@@ -177,16 +190,21 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
         for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_mul_ps(_mm512_loadu_ps(st.acc[g0 + g] + 16 * f), c);
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* vp = v + slots[j] * row;
-      __m512 x[kF];
-      for (int f = 0; f < kF; ++f)  // bfloat16 -> float32: the high half of each 32-bit lane
-        x[f] = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + 16 * f))), 16));
+    for (int64_t j = 0; j < n; j += 2) {
+      const uint16_t* va = v + slots[j] * row;
+      const uint16_t* vb = j + 1 < n ? v + slots[j + 1] * row : va;
+      __m512i x[kF];
+      for (int h = 0; h < kBf; ++h) {
+        const __m512i ra = _mm512_loadu_si512(va + 32 * h), rb = _mm512_loadu_si512(vb + 32 * h);
+        x[2 * h] = _mm512_unpacklo_epi16(ra, rb);
+        x[2 * h + 1] = _mm512_unpackhi_epi16(ra, rb);
+      }
       for (int g = 0; g < kPassGroups; ++g) {
         if (g < gc) {
-          const __m512 p = _mm512_set1_ps(s[g0 + g][j]);
-          for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_fmadd_ps(p, x[f], acc[g][f]);
+          int32_t pair;
+          std::memcpy(&pair, pb[g0 + g] + j, 4);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+          for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_dpbf16_ps(acc[g][f], (__m512bh)x[f], pp);
         }
       }
     }
@@ -332,7 +350,15 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
         for (int64_t g = 0; g < groups; ++g) {
           T* op = out + ((query_start_loc[b] + r0 + r) * num_heads + (h0 + i) * groups + g) * head_dim;
           const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) store(op, d, st.acc[g][d] * inv);
+          for (int64_t d = 0; d < head_dim; ++d) {
+#if defined(__AVX512BF16__)
+            if constexpr (kUseDpbf16<T, kHeadDim>) {
+              store(op, d, st.acc[g][acc_slot(d)] * inv);
+              continue;
+            }
+#endif
+            store(op, d, st.acc[g][d] * inv);
+          }
         }
       }
     }
