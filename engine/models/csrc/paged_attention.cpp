@@ -9,7 +9,8 @@
 // calculation for softmax", as in FlashAttention (Dao et al. 2022), accumulated in float32 whatever
 // the cache dtype. On CPUs with AVX512-BF16 (Intel Cooper Lake+, AMD Zen 4+), bfloat16 scores use
 // the bf16 dot-product instruction (vdpbf16ps: exact products, float32 sums) for head_dim a
-// multiple of 32: 1.4x faster.
+// multiple of 32: 1.4x faster. There p . v takes two positions per instruction too, with p rounded to
+// bfloat16 first, as SDPA's CPU kernel rounds its probabilities before the product with V.
 //
 // Layouts (row-major):
 //   q               [num_query_rows, num_heads, head_dim], row i at q + i * q_stride
