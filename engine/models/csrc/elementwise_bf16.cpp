@@ -51,25 +51,6 @@ inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi3
 inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(round_to_bf16_bits(x)));
 }
-// exp_approx on 16 lanes, the same steps. Written with intrinsics because GCC, vectorizing the
-// scalar form inside silu, splits the clamp into cases and divides by the clamped denominator in
-// every lane: a denormal quotient per lane, and a microcode assist each (5.7 ns per element).
-inline __m512 exp_approx16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 #endif
 
 }  // namespace
@@ -135,7 +116,7 @@ void pdserve_silu_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows,
     for (int64_t i = 0; i < inter; i += 16) {
       const __mmask16 m = inter - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - i)) - 1);
       const __m512 x = load_bf16(g + i, m);
-      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), pdserve::exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
       store_bf16(o + i, _mm512_mul_ps(round_bf16(silu), load_bf16(u + i, m)), m);
     }
 #else

@@ -31,7 +31,9 @@ inline float exp_approx(float x) {
 }
 
 #if defined(__AVX512F__)
-// exp_approx on 16 lanes: the same range reduction and polynomial.
+// exp_approx on 16 lanes, the same steps. Written with intrinsics because GCC, vectorizing the
+// scalar form inside silu, splits the clamp into cases and divides by the clamped denominator in
+// every lane: a denormal quotient per lane, and a microcode assist each (5.7 ns per element).
 inline __m512 exp_approx16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
@@ -44,8 +46,8 @@ inline __m512 exp_approx16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 #endif
