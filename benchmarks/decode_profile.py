@@ -82,7 +82,7 @@ class Timers:
 
 def instrument_classes(timers: Timers, ops_cls: type) -> None:
     """Time the linear, attention and elementwise classes and sampling (once per process)."""
-    classes = [*vars(linear).values(), *vars(quant).values(), kernels.Bf16Linear]  # dense and quantized
+    classes = [*vars(linear).values(), *vars(quant).values(), kernels.DenseLinear]  # dense and quantized
     for cls in {x for x in classes if isinstance(x, type) and x.__name__.endswith("Linear")}:
         if "__call__" in vars(cls):
             timers.wrap(cls, "__call__", "linear")
@@ -214,7 +214,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.linear_kernel == "onednn":
-        linear.bf16_linear = lambda weight, bias: None
+        linear.dense_linear = lambda weight, bias: None
     bandwidth = memory_gbps(torch.device("cpu"))
     print(
         f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; model {args.model}, {args.dtype}, context {args.context}"

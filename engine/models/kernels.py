@@ -2,8 +2,8 @@
 
 ``csrc/paged_attention.cpp``: paged attention (decode and prefill). ``csrc/elementwise_bf16.cpp``: fused
 bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE. ``csrc/quant_linear.cpp``: int8 and
-int4 weights times int8-quantized bfloat16 activations (AVX512-VNNI). ``csrc/bf16_linear.cpp``:
-bfloat16 weights times bfloat16 activations (AVX512-BF16).
+int4 weights times int8-quantized bfloat16 activations (AVX512-VNNI). ``csrc/dense_linear.cpp``:
+bfloat16 (AVX512-BF16) and float32 (AVX-512F) weights times activations of their dtype.
 
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
 and ``-march=native`` into ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``);
@@ -29,7 +29,7 @@ from pdserve.engine.models.dtype import cpu_flags, has_amx
 from pdserve.engine.models.embedded import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-_SOURCE_NAMES = ("paged_attention.cpp", "elementwise_bf16.cpp", "quant_linear.cpp", "bf16_linear.cpp")
+_SOURCE_NAMES = ("paged_attention.cpp", "elementwise_bf16.cpp", "quant_linear.cpp", "dense_linear.cpp")
 SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
 HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
@@ -43,6 +43,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_int8_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_int4_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_bf16_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
+    "pdserve_f32_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_write_kv": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "pdserve_gemma_rms_norm_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _F, _N],
 }
@@ -51,6 +52,9 @@ ATTENTION_SYMBOLS = {
     "bfloat16": "pdserve_paged_attention_bf16",
     "float16": "pdserve_paged_attention_f16",
 }
+
+
+DENSE_SYMBOLS = {torch.bfloat16: "pdserve_bf16_linear", torch.float32: "pdserve_f32_linear"}
 
 
 class KernelUnavailable(RuntimeError):
@@ -92,7 +96,7 @@ def load_cpu_kernels() -> ctypes.CDLL:
     for symbol, args in [*((s, _ATTENTION_ARGS) for s in ATTENTION_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
         fn = getattr(lib, symbol)
         fn.argtypes, fn.restype = args, None
-    for symbol in ("pdserve_quant_linear_supported", "pdserve_bf16_linear_supported"):
+    for symbol in ("pdserve_quant_linear_supported", *(f"{s}_supported" for s in DENSE_SYMBOLS.values())):
         getattr(lib, symbol).argtypes, getattr(lib, symbol).restype = [], _N
     return lib
 
@@ -133,47 +137,53 @@ def vnni_linear(symbol: str, weight: torch.Tensor, pack: Callable[[], tuple[torc
     return VnniLinear(getattr(lib, symbol), *pack(), n)
 
 
-class Bf16Linear:
-    """y = x @ weight.T + bias through ``csrc/bf16_linear.cpp`` on ``torch.get_num_threads()``
-    threads, over the weight packed once into that file's layout ``[N / 16, K / 2, 16, 2]`` (the
-    only copy kept: two bytes a weight). x [..., in_features] bfloat16 -> [..., out_features]."""
+class DenseLinear:
+    """y = x @ weight.T + bias through ``csrc/dense_linear.cpp`` on ``torch.get_num_threads()``
+    threads, over the weight packed once into that file's layout ``[N / 16, K / E, 16, E]`` (E = 2
+    for bfloat16, 1 for float32; the only copy kept). x [..., in_features] in the weight's dtype ->
+    [..., out_features]. Raises TypeError for activations of another dtype."""
 
     def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
-        self.fn, self.out_features, self.in_features = fn, n, k
-        self.packed = weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        self.bias = bias.to(torch.bfloat16).contiguous() if bias is not None else None
+        e = 2 if weight.dtype == torch.bfloat16 else 1
+        self.fn, self.dtype, self.out_features, self.in_features = fn, weight.dtype, n, k
+        self.packed = weight.reshape(n // 16, 16, k // e, e).permute(0, 2, 1, 3).contiguous()
+        self.bias = bias.to(weight.dtype).contiguous() if bias is not None else None
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = self.bias.data_ptr() if self.bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
-        if x2.dtype != torch.bfloat16:
-            raise TypeError(f"Bf16Linear takes bfloat16 activations, not {x2.dtype}")
+        if x2.dtype != self.dtype:
+            raise TypeError(f"this linear takes {self.dtype} activations, not {x2.dtype}")
         m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        y = torch.empty(m, self.out_features, dtype=self.dtype)
         self.fn(x2.data_ptr(), self._packed_ptr, self._bias_ptr, y.data_ptr(), m, self.out_features,
                 self.in_features, torch.get_num_threads())  # fmt: skip
         return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight as loaded, [out_features, in_features] bfloat16 (unpacked for the call)."""
+        """The weight as loaded, [out_features, in_features] (unpacked for the call)."""
         return self.packed.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
 
 
-def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Linear | None:
-    """A ``Bf16Linear`` for ``weight`` [out_features, in_features], or None where its kernel does not
-    take it: not a bfloat16 CPU tensor, out_features not a multiple of 16 or in_features odd, no
-    AVX512-BF16, an AMX CPU (oneDNN's AMX GEMM is the faster there from a few rows on), or no kernels
-    here (``KernelUnavailable``)."""
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear | None:
+    """A ``DenseLinear`` for ``weight`` [out_features, in_features], or None where its kernel does not
+    take it: not a bfloat16 or float32 CPU tensor, out_features not a multiple of 16, in_features odd
+    (bfloat16), no AVX512-BF16 (bfloat16) or AVX-512F (float32), an AMX CPU (oneDNN's AMX GEMM is
+    the faster there from a few rows on; float32 there is not measured), or no kernels here
+    (``KernelUnavailable``)."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 16 or k % 2 or has_amx():
+    symbol = DENSE_SYMBOLS.get(weight.dtype)
+    if weight.device.type != "cpu" or symbol is None or n % 16 or k % 2 and weight.dtype == torch.bfloat16:
+        return None
+    if has_amx():
         return None
     try:
         lib = load_cpu_kernels()
     except KernelUnavailable:
         return None
-    if not lib.pdserve_bf16_linear_supported():
+    if not getattr(lib, f"{symbol}_supported")():
         return None
-    return Bf16Linear(lib.pdserve_bf16_linear, weight, bias)
+    return DenseLinear(getattr(lib, symbol), weight, bias)

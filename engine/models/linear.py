@@ -1,7 +1,7 @@
 """Linear layers whose weights are laid out once, at load time, for the device's fastest GEMM.
 
 On a CPU with AVX512-BF16 and no AMX, bfloat16 weights run pdserve's own kernel
-(``csrc/bf16_linear.cpp``, ``Bf16Linear``): a decode step's few rows stream the weight near the
+(``csrc/bf16_linear.cpp``, ``DenseLinear``): a decode step's few rows stream the weight near the
 memory's read bandwidth, where oneDNN's GEMM read it at about half, and larger calls run at oneDNN's
 rate (figures: docs/measurements.md). Elsewhere on CPU, oneDNN's packed (blocked) weight format lets
 ``torch.ops.mkldnn._linear_pointwise`` skip the per-call reorder that ``F.linear`` pays, which
@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.models.kernels import bf16_linear
+from pdserve.engine.models.kernels import dense_linear
 from pdserve.engine.models.quant import current_scheme, quantized_linear
 
 # oneDNN picks its blocked layout for this many rows; 1-32 rows measured equal, 2048 slower at 32
@@ -72,7 +72,7 @@ def make_linear(
         quantized = quantized_linear(weight, bias, scheme)
         if quantized is not None:
             return quantized
-    own = bf16_linear(weight, bias)
+    own = dense_linear(weight, bias)
     if own is not None:
         return own
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():

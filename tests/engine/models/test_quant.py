@@ -123,7 +123,7 @@ def test_linear_keeps_leading_dims():
 
 def test_make_linear_quantizes_only_what_is_marked_inside_a_scheme():
     w = _weight((64, 64))
-    assert type(make_linear(w, quantizable=True)).__name__ in ("Bf16Linear", "PackedLinear", "PlainLinear")
+    assert type(make_linear(w, quantizable=True)).__name__ in ("DenseLinear", "PackedLinear", "PlainLinear")
     with quantization("int8"):
         assert current_scheme() == "int8"
         assert isinstance(make_linear(w, quantizable=True), Int8Linear)
