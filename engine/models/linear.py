@@ -1,9 +1,9 @@
 """Linear layers whose weights are laid out once, at load time, for the device's fastest GEMM.
 
-On a CPU with AVX512-BF16 and no AMX, bfloat16 weights run pdserve's own kernel
-(``csrc/bf16_linear.cpp``, ``DenseLinear``): a decode step's few rows stream the weight near the
-memory's read bandwidth, where oneDNN's GEMM read it at about half, and larger calls run at oneDNN's
-rate (figures: docs/measurements.md). Elsewhere on CPU, oneDNN's packed (blocked) weight format lets
+On an AVX-512 CPU without AMX, bfloat16 (with AVX512-BF16) and float32 weights run pdserve's own
+kernel (``csrc/dense_linear.cpp``, ``kernels.DenseLinear``): a decode step's few rows stream the
+weight near the memory's read bandwidth, where oneDNN's GEMM read it at about half, and larger calls
+run at about oneDNN's rate (figures: docs/measurements.md). Elsewhere on CPU, oneDNN's packed (blocked) weight format lets
 ``torch.ops.mkldnn._linear_pointwise`` skip the per-call reorder that ``F.linear`` pays, which
 matters most at decode's small row counts. These are the ops Inductor's freezing pass emits
 (``torch/_inductor/fx_passes/mkldnn_fusion.py``); AMX CPUs keep them, for their AMX GEMM. Everywhere
@@ -63,8 +63,8 @@ def make_linear(
 
     ``quantizable`` (the decoder layers' projections and experts) or ``lm_head``: quantized when a
     ``quant.quantization`` scheme other than "none" is in force for it and the weight can take it
-    (``quant.quantized_linear``). Else a bfloat16 weight takes ``kernels.bf16_linear`` where that
-    kernel runs; else oneDNN packing is tried once, and a weight oneDNN refuses (wrong device, dtype
+    (``quant.quantized_linear``). Else a bfloat16 or float32 weight takes ``kernels.dense_linear``
+    where that kernel runs; else oneDNN packing is tried once, and a weight oneDNN refuses (wrong device, dtype
     or CPU) stays plain.
     """
     scheme = current_scheme(lm_head) if quantizable or lm_head else "none"
