@@ -40,6 +40,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models import attention, kernels, linear, quant
 from pdserve.engine.params import SamplingParams
+from pdserve.worker.flags import non_negative_int, positive_int
 
 WARMUP_STEPS = 3
 
@@ -196,17 +197,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded:llama-80m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "auto"])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
-    p.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=positive_int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=positive_int, default=30, help="decode steps timed per batch size")
+    p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument("--lm-head-quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument(
         "--linear-kernel",
         default="auto",
         choices=["auto", "onednn"],
-        help="bfloat16 linears: the engine's choice (auto), or oneDNN's GEMM even where pdserve's kernel runs",
+        help="dense linears: the engine's choice (auto), or oneDNN's GEMM even where pdserve's kernel runs",
     )
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
@@ -222,7 +223,10 @@ def main() -> None:
     )
     timers = Timers()
     for i, batch in enumerate(args.batch):
-        profile_batch(args, batch, bandwidth, timers, args.torch_profile and i == len(args.batch) - 1)
+        try:
+            profile_batch(args, batch, bandwidth, timers, args.torch_profile and i == len(args.batch) - 1)
+        except (ValueError, FileNotFoundError) as exc:  # a model or a context the engine refuses
+            p.error(str(exc))
 
 
 if __name__ == "__main__":

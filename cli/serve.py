@@ -107,7 +107,9 @@ def check_port_free(host: str, port_number: int, flag: str = "--port") -> None:
         try:
             s.bind((host, port_number))
         except OSError as exc:
-            hint = "--host" if exc.errno == errno.EADDRNOTAVAIL else flag  # no interface has that address
+            # no interface has that address, or the name is no address at all
+            host_wrong = isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL
+            hint = "--host" if host_wrong else flag
             raise ValueError(f"cannot serve on {host}:{port_number}: {exc.strerror}; pick {hint}") from exc
 
 

@@ -26,6 +26,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.router.chat import ChatTemplate, ChatTemplateError
 from pdserve.router.frontend import Frontend, RequestRejected
@@ -65,7 +66,10 @@ def build_app(core: Frontend) -> FastAPI:
     names = {model_name, str(core.model_dir), core.model_dir.name}
 
     async def read(request: Request, kind):
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect as exc:  # answered for the record; nobody is left to read it
+            raise BadRequest("the client closed the connection before the whole request body arrived") from exc
         if len(body) > MAX_BODY_BYTES:
             raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted")
         req = await asyncio.to_thread(parse, kind, body)

@@ -139,6 +139,7 @@ def test_serve_generate_and_ctrl_c():
         (["compare", "--rates", "abc"], "expected comma-separated numbers > 0, got 'abc'"),
         (["serve", "--port", "50177", "--http-port", "50177"], "the gRPC and HTTP servers need a port each"),
         (["serve", "--host", "203.0.113.7", "--port", "50178"], "Cannot assign requested address; pick --host"),
+        (["serve", "--host", "999.1.1.1", "--port", "50179"], "pick --host"),  # not an address at all
         (["generate", "hi", "--bogus"], "usage: pdserve generate"),  # the command's usage, not pdserve's
     ],
 )

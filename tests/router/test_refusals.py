@@ -126,3 +126,28 @@ async def test_the_openapi_document_has_unique_operation_ids(http):
     assert resp.status_code == 200
     ids = [op["operationId"] for path in resp.json()["paths"].values() for op in path.values()]
     assert ids and len(ids) == len(set(ids))
+
+
+async def test_a_client_gone_before_its_body_ends_is_a_400_not_an_exception(core):
+    """A client that sends part of a POST body and closes the connection: the router answers 400
+    (to nobody) and counts it, instead of raising out of the app (a traceback in the server log)."""
+    app = build_app(core)
+    messages = [{"type": "http.request", "body": b'{"model": "test-', "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")],
+        "client": ("127.0.0.1", 1), "server": ("router", 80),
+    }  # fmt: skip
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 400 and b"closed the connection" in body
