@@ -98,16 +98,13 @@ class ModelRunner:
         # tables may hold NULL_BLOCK (block_manager.py)
         self._frees_blocks = any(w is not None for w in self.kv_groups.windows)
         self.num_blocks = kv_pool_blocks(cfg, mc, self.dtype)
-        self.kv_cache = torch.zeros(
-            self.kv_groups.group_size,
-            2,
-            self.num_blocks + 1,
-            cfg.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (self.kv_groups.group_size, 2, self.num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:  # the allocator's own text names bytes only
+            gib = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size() / (1 << 30)
+            raise ValueError(f"a KV cache of {self.num_blocks} blocks ({gib:.1f} GiB) does not fit in memory here; "
+                             "lower --kv-cache-gib or --num-kv-blocks") from exc  # fmt: skip
         self.layer_caches = [self.kv_cache[j] for j in self.kv_groups.slot_of]
         # each group's layers, as ``read_kv`` / ``write_kv`` index the payload
         self._group_rows = [torch.tensor(ls, device=self.device) for ls in self.kv_groups.layers]
