@@ -102,7 +102,7 @@ class ModelRunner:
         try:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:  # the allocator's own text names bytes only
-            gib = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size() / (1 << 30)
+            gib = math.prod(shape) * self.dtype.itemsize / (1 << 30)
             raise ValueError(f"a KV cache of {self.num_blocks} blocks ({gib:.1f} GiB) does not fit in memory here; "
                              "lower --kv-cache-gib or --num-kv-blocks") from exc  # fmt: skip
         self.layer_caches = [self.kv_cache[j] for j in self.kv_groups.slot_of]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.models.dtype import has_amx
-from pdserve.engine.models.kernels import vnni_linear
+from pdserve.engine.models.kernels import as_rows, vnni_linear
 
 INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 16) == 0
@@ -160,7 +160,7 @@ class Int4Linear:
         return w.mul_(self._scale).add_(self._offset).view(n, -1).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = as_rows(x)
         m = x2.shape[0]
         if m > self.kernel_rows:
             y = F.linear(x2, self._weight(x2.dtype))

@@ -54,7 +54,8 @@ ATTENTION_SYMBOLS = {
 }
 
 
-DENSE_SYMBOLS = {torch.bfloat16: "pdserve_bf16_linear", torch.float32: "pdserve_f32_linear"}
+# csrc/dense_linear.cpp's function for each weight dtype, and the inputs each of its steps takes (E)
+DENSE_KERNELS = {torch.bfloat16: ("pdserve_bf16_linear", 2), torch.float32: ("pdserve_f32_linear", 1)}
 
 
 class KernelUnavailable(RuntimeError):
@@ -96,9 +97,14 @@ def load_cpu_kernels() -> ctypes.CDLL:
     for symbol, args in [*((s, _ATTENTION_ARGS) for s in ATTENTION_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
         fn = getattr(lib, symbol)
         fn.argtypes, fn.restype = args, None
-    for symbol in ("pdserve_quant_linear_supported", *(f"{s}_supported" for s in DENSE_SYMBOLS.values())):
+    for symbol in ("pdserve_quant_linear_supported", *(f"{s}_supported" for s, _ in DENSE_KERNELS.values())):
         getattr(lib, symbol).argtypes, getattr(lib, symbol).restype = [], _N
     return lib
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as a contiguous [rows, K] (x itself when it already is one), as the kernels read it."""
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
 
 
 class VnniLinear:
@@ -145,7 +151,7 @@ class DenseLinear:
 
     def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
-        e = 2 if weight.dtype == torch.bfloat16 else 1
+        e = DENSE_KERNELS[weight.dtype][1]
         self.fn, self.dtype, self.out_features, self.in_features = fn, weight.dtype, n, k
         self.packed = weight.reshape(n // 16, 16, k // e, e).permute(0, 2, 1, 3).contiguous()
         self.bias = bias.to(weight.dtype).contiguous() if bias is not None else None
@@ -153,7 +159,7 @@ class DenseLinear:
         self._bias_ptr = self.bias.data_ptr() if self.bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        x2 = as_rows(x)
         if x2.dtype != self.dtype:
             raise TypeError(f"this linear takes {self.dtype} activations, not {x2.dtype}")
         m = x2.shape[0]
@@ -175,10 +181,8 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear
     the faster there from a few rows on; float32 there is not measured), or no kernels here
     (``KernelUnavailable``)."""
     n, k = weight.shape
-    symbol = DENSE_SYMBOLS.get(weight.dtype)
-    if weight.device.type != "cpu" or symbol is None or n % 16 or k % 2 and weight.dtype == torch.bfloat16:
-        return None
-    if has_amx():
+    symbol, e = DENSE_KERNELS.get(weight.dtype, (None, 1))
+    if weight.device.type != "cpu" or symbol is None or n % 16 or k % e or has_amx():
         return None
     try:
         lib = load_cpu_kernels()

@@ -64,8 +64,8 @@ def make_linear(
     ``quantizable`` (the decoder layers' projections and experts) or ``lm_head``: quantized when a
     ``quant.quantization`` scheme other than "none" is in force for it and the weight can take it
     (``quant.quantized_linear``). Else a bfloat16 or float32 weight takes ``kernels.dense_linear``
-    where that kernel runs; else oneDNN packing is tried once, and a weight oneDNN refuses (wrong device, dtype
-    or CPU) stays plain.
+    where that kernel runs; else oneDNN packing is tried once, and a weight oneDNN refuses (wrong
+    device, dtype or CPU) stays plain.
     """
     scheme = current_scheme(lm_head) if quantizable or lm_head else "none"
     if scheme != "none":

@@ -41,7 +41,7 @@ from pdserve.engine.models.int4 import (  # noqa: F401 (the int4 scheme's names,
     quantize_int4,
     vnni_max_rows,
 )
-from pdserve.engine.models.kernels import vnni_linear
+from pdserve.engine.models.kernels import as_rows, vnni_linear
 
 log = logging.getLogger(__name__)
 # Calls of at most this many rows (decode steps) run torch's weight-only kernels, whose cost grows by
@@ -127,7 +127,7 @@ class Int8Linear:
         return (unsigned.to(torch.int16) - 128).to(torch.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = as_rows(x)
         m = x2.shape[0]
         if m <= self.vnni_rows and x2.dtype == torch.bfloat16:
             y = self._vnni(x2)

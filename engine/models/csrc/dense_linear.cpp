@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -45,21 +47,13 @@ struct F32 {
 struct Bf16 {
   using T = uint16_t;
   static constexpr int64_t E = 2;
-  static __m512 bias(const uint16_t* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
+  static __m512 bias(const uint16_t* p) { return pdserve::load_bf16x16(p); }
   static __m512 fma(__m512 acc, const uint16_t* w, const uint16_t* x) {  // x[k], x[k + 1] in every lane
     int32_t v;
     std::memcpy(&v, x, 4);
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_set1_epi32(v));
   }
-  static void store(uint16_t* p, __m512 v) {  // round to nearest even (finite values)
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-  }
+  static void store(uint16_t* p, __m512 v) { pdserve::store_bf16x16(p, v); }
 };
 #endif
 

@@ -102,6 +102,13 @@ void init_state(HeadState<T, kHeadDim>& st, const T* q_head, int64_t groups, int
   }
 }
 
+// Where attend_chunk_dpbf16 keeps dim d of a head in its accumulators: each 32 dims are two vectors
+// (unpacklo, unpackhi), whose lane 4L + t holds dim 8L + t and 8L + 4 + t.
+constexpr int64_t acc_slot(int64_t d) {
+  const int64_t r = d % 32, half = (r % 8) / 4;
+  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
+}
+
 // Soft-capping of n scores in place: s -> softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
 inline void cap_scores(float* s, int64_t n, float softcap) {
   for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
@@ -133,13 +140,6 @@ inline __m512 row_sums16(const __m512 (&v)[16]) {
   return _mm512_permutexvar_ps(order, z);
 }
 
-// Where attend_chunk_dpbf16 keeps dim d of a head in its accumulators: each 32 dims are two vectors
-// (unpacklo, unpackhi), whose lane 4L + t holds dim 8L + t and 8L + 4 + t.
-constexpr int64_t acc_slot(int64_t d) {
-  const int64_t r = d % 32, half = (r % 8) / 4;
-  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
-}
-
 // attend_chunk for bfloat16 with head_dim 64 or 128: scores by vdpbf16ps, 16 positions per reduction
 // tree; p . v with each group's accumulators in registers, several groups per pass over the V rows.
 template <int kHeadDim>
@@ -148,7 +148,10 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
                          int64_t groups, float scale, float softcap) {
   constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
   static_assert(kChunk == 16, "one reduction tree scores a chunk");
-  alignas(64) float s[kMaxGroups][kChunk];
+  alignas(64) float capped[kChunk];  // softcap's scalar pass
+  // p in bfloat16, rounded as SDPA's CPU kernel rounds its probabilities before the product with V;
+  // lanes past n are 0, so an odd n pairs its last row with 0
+  alignas(64) uint16_t pb[kMaxGroups][kChunk];
   float corr[kMaxGroups];
   const __m512 vscale = _mm512_set1_ps(scale);
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);  // n <= 16 positions in this chunk
@@ -164,24 +167,20 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
     }
     __m512 sv = _mm512_mul_ps(row_sums16(part), vscale);
     if (softcap > 0.f) {
-      _mm512_store_ps(s[g], sv);
-      cap_scores(s[g], n, softcap);
-      sv = _mm512_load_ps(s[g]);
+      _mm512_store_ps(capped, sv);
+      cap_scores(capped, n, softcap);
+      sv = _mm512_load_ps(capped);
     }
     // online softmax update, 16 positions at once; lanes past n weigh 0
     const float mx = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, sv));
     corr[g] = pdserve::exp_approx(st.m[g] - mx);
     const __m512 p = _mm512_maskz_mov_ps(valid, pdserve::exp_approx16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-    _mm512_store_ps(s[g], p);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[g]), (__m256i)_mm512_cvtneps_pbh(p));
     st.l[g] = st.l[g] * corr[g] + _mm512_reduce_add_ps(p);
     st.m[g] = mx;
   }
-  // p . v by vdpbf16ps over pairs of positions, p rounded to bfloat16 first, as SDPA's CPU kernel
-  // rounds its probabilities before the product with V. unpacklo/hi_epi16 of two V rows gives each
-  // lane a (row j, row j + 1) pair of one dim, so the accumulators hold the dims in acc_slot order.
-  alignas(64) uint16_t pb[kMaxGroups][kChunk];  // lanes past n are 0, so an odd n pairs its last row with 0
-  for (int64_t g = 0; g < groups; ++g)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
+  // p . v by vdpbf16ps over pairs of positions: unpacklo/hi_epi16 of two V rows gives each lane a
+  // (row j, row j + 1) pair of one dim, so the accumulators hold the dims in acc_slot order.
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
     const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
     __m512 acc[kPassGroups][kF];
@@ -351,15 +350,8 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
         for (int64_t g = 0; g < groups; ++g) {
           T* op = out + ((query_start_loc[b] + r0 + r) * num_heads + (h0 + i) * groups + g) * head_dim;
           const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) {
-#if defined(__AVX512BF16__)
-            if constexpr (kUseDpbf16<T, kHeadDim>) {
-              store(op, d, st.acc[g][acc_slot(d)] * inv);
-              continue;
-            }
-#endif
-            store(op, d, st.acc[g][d] * inv);
-          }
+          for (int64_t d = 0; d < head_dim; ++d)
+            store(op, d, st.acc[g][kUseDpbf16<T, kHeadDim> ? acc_slot(d) : d] * inv);
         }
       }
     }

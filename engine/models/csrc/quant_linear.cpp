@@ -35,25 +35,18 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
 namespace {
 
+using pdserve::load_bf16x16;
+using pdserve::store_bf16x16;
+
 constexpr int kGroup = 32;       // inputs per activation scale (and per int4 weight scale)
 constexpr int kRowsPerPass = 8;  // rows of x whose accumulators one pass over a block keeps in registers
-
-inline __m512 load_bf16x16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline void store_bf16x16(uint16_t* p, __m512 v) {  // round to nearest even (finite values)
-  __m512i u = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;

@@ -31,6 +31,20 @@ inline float exp_approx(float x) {
 }
 
 #if defined(__AVX512F__)
+// 16 bfloat16 -> float32 lanes (the high half of each 32-bit lane).
+inline __m512 load_bf16x16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 float32 -> bfloat16 lanes, rounded to nearest even (finite values).
+inline void store_bf16x16(uint16_t* p, __m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
 // exp_approx on 16 lanes, the same steps. Written with intrinsics because GCC, vectorizing the
 // scalar form inside silu, splits the clamp into cases and divides by the clamped denominator in
 // every lane: a denormal quotient per lane, and a microcode assist each (5.7 ns per element).

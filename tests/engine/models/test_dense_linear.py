@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.models import kernels, linear
-from pdserve.engine.models.kernels import DENSE_SYMBOLS, DenseLinear, KernelUnavailable, dense_linear, load_cpu_kernels
+from pdserve.engine.models.kernels import DENSE_KERNELS, DenseLinear, KernelUnavailable, dense_linear, load_cpu_kernels
 
 SHAPES = [(96, 576), (208, 1536), (1008, 64), (32, 6)]  # [out_features, in_features]; K / 2 odd in the last
 
@@ -29,9 +29,10 @@ def _kernel(dtype=torch.bfloat16):
         lib = load_cpu_kernels()
     except KernelUnavailable as exc:
         pytest.skip(f"no CPU kernels here: {exc}")
-    if not getattr(lib, DENSE_SYMBOLS[dtype] + "_supported")():
+    symbol, _ = DENSE_KERNELS[dtype]
+    if not getattr(lib, symbol + "_supported")():
         pytest.skip(f"no kernel for {dtype} on this CPU: its linears keep oneDNN")
-    return getattr(lib, DENSE_SYMBOLS[dtype])
+    return getattr(lib, symbol)
 
 
 def _weight(shape, seed=0, dtype=torch.bfloat16) -> torch.Tensor:
