@@ -7,6 +7,8 @@ import os
 
 import ray
 
+from pdserve.worker.cpus import pin_process, process_affinity
+
 
 def _advertised_host(bind_host: str) -> str:
     """Address other processes use: the node IP when bound to all interfaces, else the bind host."""
@@ -19,22 +21,6 @@ def _set_secret(secret: str | None) -> None:
 
     if secret:
         os.environ[SECRET_ENV] = secret
-
-
-def _threads() -> list[int]:
-    """Thread ids of this process (Linux)."""
-    return [int(tid) for tid in os.listdir("/proc/self/task")]
-
-
-def pin_process(cpus: list[int]) -> None:
-    """Pin every thread of this process to ``cpus``: the engine's and torch's threads, the event
-    loop, and the gRPC and Ray threads started before this call (``os.sched_setaffinity`` sets one
-    thread's mask; threads started later inherit their creator's)."""
-    for tid in _threads():
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
 
 
 @ray.remote
@@ -89,13 +75,7 @@ class WorkerActor:
 
     def affinity(self) -> list[int]:
         """CPU ids any thread of this worker's process may run on (Linux)."""
-        allowed: set[int] = set()
-        for tid in _threads():
-            try:
-                allowed |= os.sched_getaffinity(tid)
-            except ProcessLookupError:
-                pass
-        return sorted(allowed)
+        return process_affinity()
 
     async def stop(self) -> None:
         if self.running is not None:

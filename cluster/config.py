@@ -130,7 +130,7 @@ class ClusterConfig:
         all fit in ``num_cpus``; else None (workers then share cores as the OS schedules them).
 
         Pinning keeps all of a worker's threads (torch's, the engine's, its event loop's, gRPC's
-        and Ray's, ``cluster.actors.pin_process``) on its own share, so they neither spin-wait on a
+        and Ray's, ``worker.cpus.pin_process``) on its own share, so they neither spin-wait on a
         core another worker's matmul holds nor take time from it.
         """
         return cpu_shares(len(self.roles), self.cpus_per_worker, num_cpus)

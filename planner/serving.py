@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.serving_fit import fit_serving
 from pdserve.planner.step_model import StepModel
-from pdserve.worker.cpus import cpu_shares
+from pdserve.worker.cpus import cpu_shares, pin_process
 
 DEFAULT_BATCHES = (1, 4, 16, 32)
 DEFAULT_OUTPUTS = (16, 64)
@@ -53,7 +53,7 @@ def _worker_main(role: str, cfg: EngineConfig, cpus: list[int] | None, conn) -> 
     import importlib
 
     if cpus:
-        os.sched_setaffinity(0, cpus)
+        pin_process(cpus)
     worker = importlib.import_module(f"pdserve.{role}_worker.worker")
 
     async def main() -> None:

@@ -1,7 +1,9 @@
-"""Which cores each CPU worker of one machine is pinned to (``pdserve serve``'s workers, and the
-serving probe's of ``pdserve profile``, pinned alike)."""
+"""Which cores each CPU worker of one machine is pinned to, and the pinning itself (``pdserve
+serve``'s workers, and the serving probe's of ``pdserve profile``, pinned alike). Linux only."""
 
 from __future__ import annotations
+
+import os
 
 
 def cpu_shares(num_workers: int, cpus_per_worker: int, num_cpus: int) -> list[list[int]] | None:
@@ -12,3 +14,30 @@ def cpu_shares(num_workers: int, cpus_per_worker: int, num_cpus: int) -> list[li
     if num_workers * c > num_cpus:
         return None
     return [list(range(i * c, (i + 1) * c)) for i in range(num_workers)]
+
+
+def _threads() -> list[int]:
+    """Thread ids of this process."""
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pin every thread of this process to ``cpus``: the engine's and torch's threads, the event
+    loop, and the gRPC and Ray threads started before this call (``os.sched_setaffinity`` sets one
+    thread's mask; threads started later inherit their creator's)."""
+    for tid in _threads():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def process_affinity() -> list[int]:
+    """CPU ids any thread of this process may run on."""
+    allowed: set[int] = set()
+    for tid in _threads():
+        try:
+            allowed |= os.sched_getaffinity(tid)
+        except ProcessLookupError:
+            pass
+    return sorted(allowed)
