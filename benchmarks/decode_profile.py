@@ -2,7 +2,7 @@
 """Where a decode step's time goes, beside the bound this machine allows, at several batch sizes.
 
     python benchmarks/decode_profile.py [--model embedded:llama-80m] [--dtype bfloat16] [--batch 1 8 32]
-        [--context 256] [--steps 30] [--threads N] [--linear-kernel auto|onednn] [--torch-profile]
+        [--context 256] [--steps 30] [--threads N] [--linear-kernel auto|onednn|dense] [--torch-profile]
 
 For each batch size, ``batch`` prompts of ``--context`` random tokens are prefilled, then
 ``--steps`` decode steps of the whole batch are timed (after 3 warm-up steps). Every part of the
@@ -206,8 +206,9 @@ def main() -> None:
     p.add_argument(
         "--linear-kernel",
         default="auto",
-        choices=["auto", "onednn"],
-        help="dense linears: the engine's choice (auto), or oneDNN's GEMM even where pdserve's kernel runs",
+        choices=["auto", "onednn", "dense"],
+        help="dense linears: the engine's choice (auto), oneDNN's GEMM even where pdserve's kernel runs (onednn), "
+        "or pdserve's AVX-512 kernel alone, without AMX tiles (dense)",
     )
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
@@ -216,6 +217,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.linear_kernel == "onednn":
         linear.dense_linear = lambda weight, bias: None
+    elif args.linear_kernel == "dense":
+        kernels.has_amx = lambda: False
     bandwidth = memory_gbps(torch.device("cpu"))
     print(
         f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; model {args.model}, {args.dtype}, context {args.context}"

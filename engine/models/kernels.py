@@ -29,7 +29,13 @@ from pdserve.engine.models.dtype import cpu_flags, has_amx
 from pdserve.engine.models.embedded import default_cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-_SOURCE_NAMES = ("paged_attention.cpp", "elementwise_bf16.cpp", "quant_linear.cpp", "dense_linear.cpp")
+_SOURCE_NAMES = (
+    "paged_attention.cpp",
+    "elementwise_bf16.cpp",
+    "quant_linear.cpp",
+    "dense_linear.cpp",
+    "amx_linear.cpp",
+)
 SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
 HEADERS = (CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
@@ -44,6 +50,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_int4_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_bf16_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_f32_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
+    "pdserve_bf16_amx_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_write_kv": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "pdserve_gemma_rms_norm_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _F, _N],
 }
@@ -56,6 +63,10 @@ ATTENTION_SYMBOLS = {
 
 # csrc/dense_linear.cpp's function for each weight dtype, and the inputs each of its steps takes (E)
 DENSE_KERNELS = {torch.bfloat16: ("pdserve_bf16_linear", 2), torch.float32: ("pdserve_f32_linear", 1)}
+# Rows from which a bfloat16 call takes csrc/amx_linear.cpp's tiles where the CPU has AMX. One
+# Xeon core, weights in cache (docs/measurements.md): the two kernels tie at 1-3 rows, and from 4 rows
+# the tiles win (1.4-2x at 8)
+AMX_MIN_ROWS = 4
 
 
 class KernelUnavailable(RuntimeError):
@@ -97,7 +108,8 @@ def load_cpu_kernels() -> ctypes.CDLL:
     for symbol, args in [*((s, _ATTENTION_ARGS) for s in ATTENTION_SYMBOLS.values()), *_ELEMENTWISE_ARGS.items()]:
         fn = getattr(lib, symbol)
         fn.argtypes, fn.restype = args, None
-    for symbol in ("pdserve_quant_linear_supported", *(f"{s}_supported" for s, _ in DENSE_KERNELS.values())):
+    supported = ("pdserve_quant_linear_supported", "pdserve_bf16_amx_linear_supported")
+    for symbol in (*supported, *(f"{s}_supported" for s, _ in DENSE_KERNELS.values())):
         getattr(lib, symbol).argtypes, getattr(lib, symbol).restype = [], _N
     return lib
 
@@ -146,13 +158,15 @@ def vnni_linear(symbol: str, weight: torch.Tensor, pack: Callable[[], tuple[torc
 class DenseLinear:
     """y = x @ weight.T + bias through ``csrc/dense_linear.cpp`` on ``torch.get_num_threads()``
     threads, over the weight packed once into that file's layout ``[N / 16, K / E, 16, E]`` (E = 2
-    for bfloat16, 1 for float32; the only copy kept). x [..., in_features] in the weight's dtype ->
-    [..., out_features]. Raises TypeError for activations of another dtype."""
+    for bfloat16, 1 for float32; the only copy kept). With ``amx_fn`` (``pdserve_bf16_amx_linear``),
+    calls of ``AMX_MIN_ROWS`` rows or more take it instead, over the same packed weight. x [...,
+    in_features] in the weight's dtype -> [..., out_features]. Raises TypeError for activations of
+    another dtype."""
 
-    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None, amx_fn=None) -> None:
         n, k = weight.shape
         e = DENSE_KERNELS[weight.dtype][1]
-        self.fn, self.dtype, self.out_features, self.in_features = fn, weight.dtype, n, k
+        self.fn, self.amx_fn, self.dtype, self.out_features, self.in_features = fn, amx_fn, weight.dtype, n, k
         self.packed = weight.reshape(n // 16, 16, k // e, e).permute(0, 2, 1, 3).contiguous()
         self.bias = bias.to(weight.dtype).contiguous() if bias is not None else None
         self._packed_ptr = self.packed.data_ptr()
@@ -164,7 +178,8 @@ class DenseLinear:
             raise TypeError(f"this linear takes {self.dtype} activations, not {x2.dtype}")
         m = x2.shape[0]
         y = torch.empty(m, self.out_features, dtype=self.dtype)
-        self.fn(x2.data_ptr(), self._packed_ptr, self._bias_ptr, y.data_ptr(), m, self.out_features,
+        fn = self.amx_fn if self.amx_fn is not None and m >= AMX_MIN_ROWS else self.fn
+        fn(x2.data_ptr(), self._packed_ptr, self._bias_ptr, y.data_ptr(), m, self.out_features,
                 self.in_features, torch.get_num_threads())  # fmt: skip
         return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
@@ -177,12 +192,16 @@ class DenseLinear:
 def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear | None:
     """A ``DenseLinear`` for ``weight`` [out_features, in_features], or None where its kernel does not
     take it: not a bfloat16 or float32 CPU tensor, out_features not a multiple of 16, in_features odd
-    (bfloat16), no AVX512-BF16 (bfloat16) or AVX-512F (float32), an AMX CPU (oneDNN's AMX GEMM is
-    the faster there from a few rows on; float32 there is not measured), or no kernels here
-    (``KernelUnavailable``)."""
+    (bfloat16), no AVX512-BF16 (bfloat16) or AVX-512F (float32), or no kernels here
+    (``KernelUnavailable``). On an AMX CPU only bfloat16 with in_features a multiple of 32 is taken
+    (its calls of several rows on AMX tiles); the rest keeps oneDNN, whose AMX GEMM is the faster
+    there from a few rows on."""
     n, k = weight.shape
     symbol, e = DENSE_KERNELS.get(weight.dtype, (None, 1))
-    if weight.device.type != "cpu" or symbol is None or n % 16 or k % e or has_amx():
+    amx = has_amx()
+    if weight.device.type != "cpu" or symbol is None or n % 16 or k % e:
+        return None
+    if amx and (weight.dtype != torch.bfloat16 or k % 32):
         return None
     try:
         lib = load_cpu_kernels()
@@ -190,4 +209,6 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear
         return None
     if not getattr(lib, f"{symbol}_supported")():
         return None
-    return DenseLinear(getattr(lib, symbol), weight, bias)
+    if amx and not lib.pdserve_bf16_amx_linear_supported():
+        return None
+    return DenseLinear(getattr(lib, symbol), weight, bias, lib.pdserve_bf16_amx_linear if amx else None)
