@@ -193,6 +193,24 @@ def report(batch: int, walls: list[float], seconds: dict[str, float], bound: dic
         print(f"  {name:<14}{ms:9.3f}{ms / mean:8.0%}{b:10.3f}{at:>10}")
 
 
+def add_linear_kernel_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=["auto", "onednn", "dense"],
+        help="dense linears: the engine's choice (auto), oneDNN's GEMM even where pdserve's kernels run (onednn), "
+        "or pdserve's AVX-512 kernel alone, without AMX tiles (dense)",
+    )
+
+
+def use_linear_kernel(choice: str) -> None:
+    """Make the engine's dense linears take ``choice`` (``add_linear_kernel_flag``'s values)."""
+    if choice == "onednn":
+        linear.dense_linear = lambda weight, bias: None
+    elif choice == "dense":
+        kernels.has_amx = lambda: False
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded:llama-80m")
@@ -203,22 +221,13 @@ def main() -> None:
     p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument("--lm-head-quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
-    p.add_argument(
-        "--linear-kernel",
-        default="auto",
-        choices=["auto", "onednn", "dense"],
-        help="dense linears: the engine's choice (auto), oneDNN's GEMM even where pdserve's kernel runs (onednn), "
-        "or pdserve's AVX-512 kernel alone, without AMX tiles (dense)",
-    )
+    add_linear_kernel_flag(p)
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.linear_kernel == "onednn":
-        linear.dense_linear = lambda weight, bias: None
-    elif args.linear_kernel == "dense":
-        kernels.has_amx = lambda: False
+    use_linear_kernel(args.linear_kernel)
     bandwidth = memory_gbps(torch.device("cpu"))
     print(
         f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; model {args.model}, {args.dtype}, context {args.context}"

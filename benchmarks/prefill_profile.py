@@ -2,7 +2,7 @@
 """One prompt's prefill, part by part, beside the GEMM peak measured in the same run.
 
     python benchmarks/prefill_profile.py [--model embedded:llama-80m] [--dtype bfloat16] [--lens 256 1024]
-        [--repeats 5] [--threads N] [--attention-backend auto|sdpa-prefill|...]
+        [--repeats 5] [--threads N] [--attention-backend auto|sdpa-prefill|...] [--linear-kernel auto|onednn|dense]
 
 For each prompt length, a prompt of that many random tokens is prefilled alone (one engine step,
 max_tokens 1) ``--repeats`` times after two warm-ups, and the fastest step is reported with its
@@ -20,7 +20,14 @@ import random
 import time
 
 import torch
-from decode_profile import Timers, cpu_name, instrument_classes, instrument_engine
+from decode_profile import (
+    Timers,
+    add_linear_kernel_flag,
+    cpu_name,
+    instrument_classes,
+    instrument_engine,
+    use_linear_kernel,
+)
 
 from pdserve.cli.throughput import matmul_tflops, model_flops_per_token
 from pdserve.engine.config import EngineConfig
@@ -85,9 +92,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--attention-backend", default="auto", help="as pdserve's --attention-backend")
+    add_linear_kernel_flag(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    use_linear_kernel(args.linear_kernel)
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -103,7 +112,10 @@ def main() -> None:
     instrument_classes(timers, type(engine.runner.model.ops))
     timers.wrap(attention.TorchAttention, "prefill", "attention")  # the C++ backend's prefill is its decode
     backend = engine.runner.model.attention.name
-    print(f"CPU: {cpu_name()}; model {args.model}, {engine.runner.dtype_name}, attention {backend}")
+    print(
+        f"CPU: {cpu_name()}; model {args.model}, {engine.runner.dtype_name}, attention {backend}"
+        f"; linear kernel {args.linear_kernel}"
+    )
     for n in args.lens:
         profile_len(engine, timers, n, args.repeats)
 

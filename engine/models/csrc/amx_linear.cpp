@@ -38,7 +38,7 @@ constexpr int kXfeatureXtiledata = 18;     // the AMX tile data state component
 
 // Rows of x taken through every channel before the next rows: about this many bytes of them, so that
 // they stay in the L2 cache while each thread's blocks of channels pass over them
-constexpr int64_t kChunkBytes = 256 * 1024;
+constexpr int64_t kChunkBytes = 1024 * 1024;
 
 struct TileConfig {  // the 64-byte operand of ldtilecfg, palette 1
   uint8_t palette_id = 1;
