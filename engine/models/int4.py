@@ -37,12 +37,12 @@ INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 
 # Rows up to which torch's int4 kernels beat the dequantized GEMM: about 48 on SmolLM2's shapes, one
 # and two threads (docs/measurements.md)
 TORCH_KERNEL_MAX_ROWS = 48
-# Rows up to which csrc/quant_linear.cpp runs (int8 and int4) on a CPU with AMX, whose bfloat16
-# GEMM over the dequantized weight is several times faster on prefill-sized calls. Not measured: the
-# kernel ran 4x faster than torch's weight-only kernels at 1-8 rows, which met the dequantized AMX
-# GEMM at 24-48 rows (docs/measurements.md). Without AMX the kernels take every call: on SmolLM2's
-# shapes they beat even the plain bfloat16 GEMM at 2,048 rows (AMD EPYC, AVX512-BF16, 2 threads).
-AMX_VNNI_MAX_ROWS = 128
+# Rows up to which csrc/quant_linear.cpp runs (int8 and int4) on a CPU with AMX, where the weight
+# dequantized for the call and AMX's bfloat16 GEMM win on larger calls. Measured on SmolLM2's shapes
+# (2-core Xeon with AMX, 2 threads, docs/measurements.md): the kernels were 1.2-1.5x faster at 256
+# rows and met the dequantized GEMM at 300-400 rows. Without AMX the kernels take every call: on
+# SmolLM2's shapes they beat even the plain bfloat16 GEMM at 2,048 rows (AMD EPYC, AVX512-BF16).
+AMX_VNNI_MAX_ROWS = 256
 
 
 def vnni_max_rows() -> int:
