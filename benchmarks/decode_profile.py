@@ -2,7 +2,8 @@
 """Where a decode step's time goes, beside the bound this machine allows, at several batch sizes.
 
     python benchmarks/decode_profile.py [--model embedded:llama-80m] [--dtype bfloat16] [--batch 1 8 32]
-        [--context 256] [--steps 30] [--threads N] [--linear-kernel auto|onednn|dense] [--torch-profile]
+        [--context 256] [--steps 30] [--threads N] [--linear-kernel auto|onednn|dense] [--amx-attention on|off]
+        [--torch-profile]
 
 For each batch size, ``batch`` prompts of ``--context`` random tokens are prefilled, then
 ``--steps`` decode steps of the whole batch are timed (after 3 warm-up steps). Every part of the
@@ -193,7 +194,8 @@ def report(batch: int, walls: list[float], seconds: dict[str, float], bound: dic
         print(f"  {name:<14}{ms:9.3f}{ms / mean:8.0%}{b:10.3f}{at:>10}")
 
 
-def add_linear_kernel_flag(p: argparse.ArgumentParser) -> None:
+def add_kernel_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that pick the engine's kernels for an A/B: ``--linear-kernel``, ``--amx-attention``."""
     p.add_argument(
         "--linear-kernel",
         default="auto",
@@ -201,14 +203,26 @@ def add_linear_kernel_flag(p: argparse.ArgumentParser) -> None:
         help="dense linears: the engine's choice (auto), oneDNN's GEMM even where pdserve's kernels run (onednn), "
         "or pdserve's AVX-512 kernel alone, without AMX tiles (dense)",
     )
+    p.add_argument(
+        "--amx-attention",
+        default="on",
+        choices=["on", "off"],
+        help="bfloat16 paged attention on AMX tiles where the CPU has them (on, the engine's choice), or never",
+    )
 
 
-def use_linear_kernel(choice: str) -> None:
-    """Make the engine's dense linears take ``choice`` (``add_linear_kernel_flag``'s values)."""
-    if choice == "onednn":
+def use_kernels(args: argparse.Namespace) -> str:
+    """Make the engine take the kernels ``add_kernel_flags``'s flags name; their description."""
+    if args.linear_kernel == "onednn":
         linear.dense_linear = lambda weight, bias: None
-    elif choice == "dense":
+    elif args.linear_kernel == "dense":
         kernels.has_amx = lambda: False
+    if args.amx_attention == "off":
+        try:
+            kernels.load_cpu_kernels().pdserve_set_amx_attention(0)
+        except kernels.KernelUnavailable:
+            pass
+    return f"linear kernel {args.linear_kernel}, AMX attention {args.amx_attention}"
 
 
 def main() -> None:
@@ -221,17 +235,17 @@ def main() -> None:
     p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
     p.add_argument("--lm-head-quantization", default="none", choices=["none", "int8", "int4"], help="as pdserve's")
-    add_linear_kernel_flag(p)
+    add_kernel_flags(p)
     p.add_argument("--torch-profile", action="store_true", help="torch.profiler table for the last batch size")
     p.add_argument("--top", type=int, default=15, help="rows of the torch.profiler table")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    use_linear_kernel(args.linear_kernel)
+    chosen = use_kernels(args)
     bandwidth = memory_gbps(torch.device("cpu"))
     print(
         f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; model {args.model}, {args.dtype}, context {args.context}"
-        f"; linear kernel {args.linear_kernel}"
+        f"; {chosen}"
     )
     timers = Timers()
     for i, batch in enumerate(args.batch):

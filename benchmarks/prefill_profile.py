@@ -2,7 +2,8 @@
 """One prompt's prefill, part by part, beside the GEMM peak measured in the same run.
 
     python benchmarks/prefill_profile.py [--model embedded:llama-80m] [--dtype bfloat16] [--lens 256 1024]
-        [--repeats 5] [--threads N] [--attention-backend auto|sdpa-prefill|...] [--linear-kernel auto|onednn|dense]
+        [--repeats 5] [--threads N] [--attention-backend auto|sdpa-prefill|...]
+        [--linear-kernel auto|onednn|dense] [--amx-attention on|off]
 
 For each prompt length, a prompt of that many random tokens is prefilled alone (one engine step,
 max_tokens 1) ``--repeats`` times after two warm-ups, and the fastest step is reported with its
@@ -22,11 +23,11 @@ import time
 import torch
 from decode_profile import (
     Timers,
-    add_linear_kernel_flag,
+    add_kernel_flags,
     cpu_name,
     instrument_classes,
     instrument_engine,
-    use_linear_kernel,
+    use_kernels,
 )
 
 from pdserve.cli.throughput import matmul_tflops, model_flops_per_token
@@ -92,11 +93,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--attention-backend", default="auto", help="as pdserve's --attention-backend")
-    add_linear_kernel_flag(p)
+    add_kernel_flags(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    use_linear_kernel(args.linear_kernel)
+    chosen = use_kernels(args)
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -112,10 +113,7 @@ def main() -> None:
     instrument_classes(timers, type(engine.runner.model.ops))
     timers.wrap(attention.TorchAttention, "prefill", "attention")  # the C++ backend's prefill is its decode
     backend = engine.runner.model.attention.name
-    print(
-        f"CPU: {cpu_name()}; model {args.model}, {engine.runner.dtype_name}, attention {backend}"
-        f"; linear kernel {args.linear_kernel}"
-    )
+    print(f"CPU: {cpu_name()}; model {args.model}, {engine.runner.dtype_name}, attention {backend}; {chosen}")
     for n in args.lens:
         profile_len(engine, timers, n, args.repeats)
 

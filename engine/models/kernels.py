@@ -35,9 +35,10 @@ _SOURCE_NAMES = (
     "quant_linear.cpp",
     "dense_linear.cpp",
     "amx_linear.cpp",
+    "amx_attention.cpp",
 )
 SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
-HEADERS = (CSRC / "vec_math.h",)
+HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h")
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F, _N = ctypes.c_float, ctypes.c_int
@@ -51,6 +52,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_bf16_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_f32_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_bf16_amx_linear": [_P, _P, _P, _P, _I, _I, _I, _N],
+    "pdserve_set_amx_attention": [_N],
     "pdserve_write_kv": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "pdserve_gemma_rms_norm_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _F, _N],
 }

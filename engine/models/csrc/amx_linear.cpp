@@ -15,47 +15,24 @@
 // channels while their weights stay in the L2 cache. A row's result depends on its own row of x only.
 // Rows past M in the last block of rows are read from a zero-padded copy. Needs N % 16 == 0 and
 // K % 32 == 0.
-//
-// Linux gives a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, the
-// kernel's Documentation/arch/x86/xstate.rst); pdserve_bf16_amx_linear_supported asks once.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
+#include "amx_tiles.h"
 #include "vec_math.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(PDSERVE_AMX)
 
 namespace {
 
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl code, asm/prctl.h
-constexpr int kXfeatureXtiledata = 18;     // the AMX tile data state component
+using pdserve::configure_tiles;
 
 // Rows of x taken through every channel before the next rows: about this many bytes of them, so that
 // they stay in the L2 cache while each thread's blocks of channels pass over them
 constexpr int64_t kChunkBytes = 1024 * 1024;
-
-struct TileConfig {  // the 64-byte operand of ldtilecfg, palette 1
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {  // every tile used is 16 rows of 64 bytes
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // Rows 0 .. 16 * (kTwoM ? 2 : 1) of xr (row stride x_stride) times channels 16 nb .. 16 nb + 16 * (kTwoN ?
 // 2 : 1) into c [32, 32] float32 (row stride 32).
@@ -99,10 +76,7 @@ void tile_block(const uint16_t* xr, int64_t x_stride, const uint16_t* w, int64_t
 }  // namespace
 
 // 1 where this CPU runs AMX bfloat16 and Linux granted the tile state, 0 where not.
-extern "C" int pdserve_bf16_amx_linear_supported() {
-  static const int granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
+extern "C" int pdserve_bf16_amx_linear_supported() { return pdserve::amx_granted(); }
 
 // x [M, K] bfloat16 (row stride K), packed [N / 16, K / 2, 16, 2] bfloat16, bias [N] bfloat16 or null
 // -> y [M, N] bfloat16.

@@ -36,6 +36,14 @@
 #include <immintrin.h>
 #endif
 
+namespace pdserve {  // amx_attention.cpp
+bool amx_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                        const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, int64_t max_blocks, int64_t q_stride, float scale, int64_t window,
+                        float softcap, int num_threads);
+}
+
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -362,6 +370,10 @@ template <typename T>
 void attention(T* out, const T* q, const T* k, const T* v, const int32_t* bt, const int32_t* sl, const int32_t* qsl,
                int64_t b, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t mb, int64_t qs, float scale,
                int64_t window, float softcap, int nt) {
+  if constexpr (std::is_same_v<T, uint16_t>) {  // bfloat16 on AMX tiles where amx_attention.cpp takes it
+    if (pdserve::amx_attention_bf16(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, softcap, nt))
+      return;
+  }
   if (d == 64) {
     attention_impl<T, 64>(out, q, k, v, bt, sl, qsl, b, h, hkv, d, bs, mb, qs, scale, window, softcap, nt);
   } else if (d == 128) {

@@ -1,0 +1,241 @@
+// Paged attention for bfloat16 on AMX tiles: paged_attention.cpp's computation, for its decode and
+// prefill calls alike, where the CPU has AMX, head_dim is 64 or 128, the block size a multiple of 16
+// and no softcap is asked for (else paged_attention.cpp runs it).
+//
+// One work item is one KV head of a few query rows of one sequence: its columns are the (row, query
+// head) pairs of that KV head's group, up to 16 (a decode row of grouped-query attention with 3 query
+// heads a KV head is 3 columns). Two passes over the positions the rows see:
+//   1. scores S^T [16 positions, 16 columns] = K [16 positions, head_dim] . Q^T, one C tile per 16
+//      positions: the K rows are one block's consecutive slots, loaded straight from the cache as an A
+//      tile; Q^T is packed once per item as B tiles. Scaled, masked to each row's positions (causal,
+//      window) and kept in float32; then each column's maximum, p = exp(s - max) rounded to bfloat16
+//      (as SDPA's CPU kernel rounds p) and its sum.
+//   2. out [16 columns, head_dim] = P [16 columns, positions] . V, 32 positions a step: P is the A
+//      tile; V's rows are interleaved two positions at a time into B tiles (unpacklo/hi, so the
+//      accumulators hold the dims in paged_attention.cpp's acc_slot order).
+// Taking the maximum over all positions first (two passes), rather than the online softmax, leaves
+// the output tiles in place across the whole sum.
+//
+// Each element of a tile product depends on its own row and column only, and the steps are aligned
+// to absolute positions (16 for scores, 32 for P . V), with exact zeros where a row does not see a
+// position. So a query row gets the same bits whichever rows share its item: a decode step and a
+// prefill of the same position agree (batch invariance, as in paged_attention.cpp), on this path.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "vec_math.h"
+
+namespace {
+bool amx_attention_on = true;  // pdserve_set_amx_attention: off runs paged_attention.cpp's path
+}
+
+// 1 (the default): bfloat16 calls this file can take run here; 0: paged_attention.cpp runs every call.
+extern "C" void pdserve_set_amx_attention(int on) { amx_attention_on = on != 0; }
+
+#if defined(PDSERVE_AMX)
+
+namespace {
+
+constexpr int kMaxDim = 128;
+constexpr int64_t kAhead = 16;  // positions ahead whose K and V rows pass 1 asks for
+
+// acc_slot of paged_attention.cpp: where the interleaved V layout puts dim d
+constexpr int64_t acc_slot(int64_t d) {
+  const int64_t r = d % 32, half = (r % 8) / 4;
+  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
+}
+
+struct Buffers {  // one thread's
+  std::vector<float> s;        // [16, npos] scores
+  std::vector<uint16_t> p;     // [16, npos] bfloat16 probabilities (rows past the item's columns 0)
+  alignas(64) uint16_t qt[kMaxDim / 32][16][32];  // Q^T B tiles: [step][pair of dims][column, 2]
+  alignas(64) float c[16 * 16];
+  alignas(64) uint16_t vb[4][16][32];  // V B tiles of one step: [16 dims][pair of positions][16 lanes, 2]
+  alignas(64) float o[16][kMaxDim];    // out in acc_slot order
+  alignas(64) uint16_t zero[kMaxDim] = {};
+};
+
+template <int kDim>
+void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                 const int32_t* table, int64_t b, int64_t r0, int64_t rows, int64_t h, int64_t nq, int64_t seq_len,
+                 int64_t q_start, int64_t num_heads, int64_t groups, int64_t row, int64_t block_size, int64_t q_stride,
+                 float scale, int64_t window) {
+  constexpr int kSteps = kDim / 32;
+  const int64_t cols = rows * groups;
+  int64_t lo[16], hi[16];  // column j sees positions [lo[j], hi[j])
+  for (int64_t j = 0; j < cols; ++j) {
+    hi[j] = seq_len - nq + r0 + j / groups + 1;
+    lo[j] = window > 0 ? std::max<int64_t>(0, hi[j] - window) : 0;
+  }
+  const int64_t lo_min = lo[0], hi_max = hi[cols - 1];
+  const int64_t p0 = lo_min / 32 * 32, p1 = (hi_max + 31) / 32 * 32, npos = p1 - p0;
+  const auto slot = [&](int64_t t) { return static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size; };
+  // Q^T: column j's dims 2i, 2i + 1 of step s at qt[s][i][2j .. 2j + 1]; columns past cols are 0
+  std::memset(buf.qt, 0, sizeof(buf.qt));
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint16_t* qr = q + (q_start + r0 + j / groups) * q_stride + (h * groups + j % groups) * kDim;
+    for (int s = 0; s < kSteps; ++s)
+      for (int i = 0; i < 16; ++i) std::memcpy(&buf.qt[s][i][2 * j], qr + 32 * s + 2 * i, 4);
+  }
+  buf.s.resize(16 * npos);
+  buf.p.assign(16 * npos, 0);
+  float* S = buf.s.data();
+  // pass 1: scores, 16 positions a tile product, from the block holding lo_min on
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i gather_idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));
+  const int64_t s0 = lo_min / 16 * 16;
+  __m512 mx[16];
+  for (int64_t j = 0; j < cols; ++j) {
+    mx[j] = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = p0; t < s0; t += 16) _mm512_storeu_ps(S + j * npos + t - p0, mx[j]);
+  }
+  for (int64_t t = s0; t < p1; t += 16) {
+    if (t >= hi_max) {
+      for (int64_t j = 0; j < cols; ++j) _mm512_storeu_ps(S + j * npos + t - p0, _mm512_set1_ps(-INFINITY));
+      continue;
+    }
+    const uint16_t* kp = k_cache + slot(t) * row + h * kDim;
+    if (t + kAhead < hi_max) {  // K and V rows of this head kAhead positions on
+      const int64_t next = slot(t + kAhead) * row + h * kDim;
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < kDim * 2; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + j * row) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + j * row) + c, _MM_HINT_T1);
+        }
+    }
+    _tile_zero(0);
+    for (int s = 0; s < kSteps; ++s) {
+      _tile_loadd(4, kp + 32 * s, row * 2);
+      _tile_loadd(6, buf.qt[s], 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, buf.c, 64);
+    const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(t)));
+    for (int64_t j = 0; j < cols; ++j) {
+      const __mmask16 valid = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(lo[j]))) &
+                              _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(hi[j])));
+      const __m512 sc = _mm512_mul_ps(_mm512_i32gather_ps(gather_idx, buf.c + j, 4), _mm512_set1_ps(scale));
+      const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);
+      _mm512_storeu_ps(S + j * npos + t - p0, sv);
+      mx[j] = _mm512_max_ps(mx[j], sv);
+    }
+  }
+  float l[16];
+  for (int64_t j = 0; j < cols; ++j) {
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[j]));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < npos; t += 16) {
+      const __m512 sv = _mm512_loadu_ps(S + j * npos + t);
+      const __mmask16 seen = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 p = _mm512_maskz_mov_ps(seen, pdserve::exp_approx16(_mm512_sub_ps(sv, m)));
+      sum = _mm512_add_ps(sum, p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.p.data() + j * npos + t), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    l[j] = _mm512_reduce_add_ps(sum);
+  }
+  // pass 2: P . V, 32 positions (16 pairs) a step, 64 dims (4 C tiles) at a time
+  for (int half = 0; half < kDim / 64; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = p0; t < p1; t += 32) {
+      // positions t .. t + 15 and t + 16 .. t + 31 each lie in one block (block_size % 16 == 0)
+      const uint16_t* base[2];
+      for (int x = 0; x < 2; ++x)
+        base[x] = t + 16 * x < hi_max ? v_cache + slot(t + 16 * x) * row + h * kDim + 64 * half : buf.zero;
+      for (int i = 0; i < 16; ++i) {
+        const int64_t ta = t + 2 * i, tb = ta + 1;
+        const uint16_t* va = ta >= lo_min && ta < hi_max ? base[i / 8] + (2 * i % 16) * row : buf.zero;
+        const uint16_t* vb = tb >= lo_min && tb < hi_max ? base[i / 8] + (2 * i % 16 + 1) * row : buf.zero;
+        for (int x = 0; x < 2; ++x) {
+          const __m512i ra = _mm512_loadu_si512(va + 32 * x), rb = _mm512_loadu_si512(vb + 32 * x);
+          _mm512_store_si512(buf.vb[2 * x][i], _mm512_unpacklo_epi16(ra, rb));
+          _mm512_store_si512(buf.vb[2 * x + 1][i], _mm512_unpackhi_epi16(ra, rb));
+        }
+      }
+      _tile_loadd(4, buf.p.data() + (t - p0), npos * 2);
+      _tile_loadd(5, buf.vb[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, buf.vb[1], 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, buf.vb[2], 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, buf.vb[3], 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, &buf.o[0][64 * half], kMaxDim * 4);
+    _tile_stored(1, &buf.o[0][64 * half + 16], kMaxDim * 4);
+    _tile_stored(2, &buf.o[0][64 * half + 32], kMaxDim * 4);
+    _tile_stored(3, &buf.o[0][64 * half + 48], kMaxDim * 4);
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    uint16_t* op = out + ((q_start + r0 + j / groups) * num_heads + h * groups + j % groups) * kDim;
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    alignas(64) float o[kDim];
+    for (int64_t d = 0; d < kDim; ++d) o[d] = buf.o[j][acc_slot(d)] * inv;
+    for (int64_t d = 0; d < kDim; d += 16) pdserve::store_bf16x16(op + d, _mm512_load_ps(o + d));
+  }
+}
+
+}  // namespace
+
+namespace pdserve {
+
+// paged_attention.cpp's bf16 call on AMX tiles (arguments and layouts as there); false, having done
+// nothing, where this path does not take it.
+bool amx_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                        const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, int64_t max_blocks, int64_t q_stride, float scale, int64_t window,
+                        float softcap, int num_threads) {
+  const int64_t groups = num_heads / num_kv_heads;
+  if (!amx_attention_on || (head_dim != 64 && head_dim != 128) || softcap > 0.f || block_size % 16 ||
+      groups > 16 || !amx_granted())
+    return false;
+  const int64_t rows_per_item = 16 / groups, row = num_kv_heads * head_dim;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query row)
+  for (int64_t b = 0; b < num_seqs; ++b)
+    for (int64_t r = 0; r < query_start_loc[b + 1] - query_start_loc[b]; r += rows_per_item) tiles.emplace_back(b, r);
+  const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+    configure_tiles();
+    Buffers buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const auto [b, r0] = tiles[item / num_kv_heads];
+      const int64_t h = item % num_kv_heads, nq = query_start_loc[b + 1] - query_start_loc[b];
+      const int64_t rows = std::min(rows_per_item, nq - r0);
+      const int32_t* table = block_tables + b * max_blocks;
+      if (head_dim == 64)
+        attend_item<64>(buf, out, q, k_cache, v_cache, table, b, r0, rows, h, nq, seq_lens[b], query_start_loc[b],
+                        num_heads, groups, row, block_size, q_stride, scale, window);
+      else
+        attend_item<128>(buf, out, q, k_cache, v_cache, table, b, r0, rows, h, nq, seq_lens[b], query_start_loc[b],
+                         num_heads, groups, row, block_size, q_stride, scale, window);
+    }
+    _tile_release();
+  }
+  return true;
+}
+
+}  // namespace pdserve
+
+#else
+
+namespace pdserve {
+bool amx_attention_bf16(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*, const int32_t*,
+                        const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                        float, int) {
+  return false;
+}
+}  // namespace pdserve
+
+#endif
