@@ -65,10 +65,6 @@ ATTENTION_SYMBOLS = {
 
 # csrc/dense_linear.cpp's function for each weight dtype, and the inputs each of its steps takes (E)
 DENSE_KERNELS = {torch.bfloat16: ("pdserve_bf16_linear", 2), torch.float32: ("pdserve_f32_linear", 1)}
-# Rows from which a bfloat16 call takes csrc/amx_linear.cpp's tiles where the CPU has AMX. One
-# Xeon core, weights in cache (docs/measurements.md): the two kernels tie at 1-3 rows, and from 4 rows
-# the tiles win (1.4-2x at 8)
-AMX_MIN_ROWS = 4
 
 
 class KernelUnavailable(RuntimeError):
@@ -160,15 +156,15 @@ def vnni_linear(symbol: str, weight: torch.Tensor, pack: Callable[[], tuple[torc
 class DenseLinear:
     """y = x @ weight.T + bias through ``csrc/dense_linear.cpp`` on ``torch.get_num_threads()``
     threads, over the weight packed once into that file's layout ``[N / 16, K / E, 16, E]`` (E = 2
-    for bfloat16, 1 for float32; the only copy kept). With ``amx_fn`` (``pdserve_bf16_amx_linear``),
-    calls of ``AMX_MIN_ROWS`` rows or more take it instead, over the same packed weight. x [...,
-    in_features] in the weight's dtype -> [..., out_features]. Raises TypeError for activations of
-    another dtype."""
+    for bfloat16, 1 for float32; the only copy kept). ``fn`` is that file's function for the dtype,
+    or ``csrc/amx_linear.cpp``'s ``pdserve_bf16_amx_linear``, which reads the same packed bfloat16
+    weight. x [..., in_features] in the weight's dtype -> [..., out_features]. Raises TypeError for
+    activations of another dtype."""
 
-    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None, amx_fn=None) -> None:
+    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
         e = DENSE_KERNELS[weight.dtype][1]
-        self.fn, self.amx_fn, self.dtype, self.out_features, self.in_features = fn, amx_fn, weight.dtype, n, k
+        self.fn, self.dtype, self.out_features, self.in_features = fn, weight.dtype, n, k
         self.packed = weight.reshape(n // 16, 16, k // e, e).permute(0, 2, 1, 3).contiguous()
         self.bias = bias.to(weight.dtype).contiguous() if bias is not None else None
         self._packed_ptr = self.packed.data_ptr()
@@ -180,8 +176,7 @@ class DenseLinear:
             raise TypeError(f"this linear takes {self.dtype} activations, not {x2.dtype}")
         m = x2.shape[0]
         y = torch.empty(m, self.out_features, dtype=self.dtype)
-        fn = self.amx_fn if self.amx_fn is not None and m >= AMX_MIN_ROWS else self.fn
-        fn(x2.data_ptr(), self._packed_ptr, self._bias_ptr, y.data_ptr(), m, self.out_features,
+        self.fn(x2.data_ptr(), self._packed_ptr, self._bias_ptr, y.data_ptr(), m, self.out_features,
                 self.in_features, torch.get_num_threads())  # fmt: skip
         return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
 
@@ -195,9 +190,10 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear
     """A ``DenseLinear`` for ``weight`` [out_features, in_features], or None where its kernel does not
     take it: not a bfloat16 or float32 CPU tensor, out_features not a multiple of 16, in_features odd
     (bfloat16), no AVX512-BF16 (bfloat16) or AVX-512F (float32), or no kernels here
-    (``KernelUnavailable``). On an AMX CPU only bfloat16 with in_features a multiple of 32 is taken
-    (its calls of several rows on AMX tiles); the rest keeps oneDNN, whose AMX GEMM is the faster
-    there from a few rows on."""
+    (``KernelUnavailable``). On an AMX CPU only bfloat16 with in_features a multiple of 32 is taken,
+    and every call runs on AMX tiles (``pdserve_bf16_amx_linear``): as fast as the AVX-512 kernel at
+    one row in a decode step, faster from a few rows on, and a row's result then does not depend on
+    how many rows the call has; the rest keeps oneDNN."""
     n, k = weight.shape
     symbol, e = DENSE_KERNELS.get(weight.dtype, (None, 1))
     amx = has_amx()
@@ -213,4 +209,4 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear
         return None
     if amx and not lib.pdserve_bf16_amx_linear_supported():
         return None
-    return DenseLinear(getattr(lib, symbol), weight, bias, lib.pdserve_bf16_amx_linear if amx else None)
+    return DenseLinear(lib.pdserve_bf16_amx_linear if amx else getattr(lib, symbol), weight, bias)

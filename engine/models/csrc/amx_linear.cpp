@@ -4,15 +4,17 @@
 //
 // dense_linear.cpp packs a bfloat16 weight as [N / 16, K / 2, 16, 2]: 16 consecutive pairs of inputs
 // of one block of 16 channels are 16 rows of 64 bytes, which is the layout an AMX B tile reads (one
-// row per pair of inputs, 16 channels of 2 bfloat16 each). So the one packed copy serves both kernels:
-// dense_linear.cpp for a few rows, where the weights' read bound rules, and this file for more rows,
-// where the multiply-adds do. A tile step multiplies 16 rows by 32 inputs by 16 channels.
+// row per pair of inputs, 16 channels of 2 bfloat16 each). So on AMX CPUs this file runs every call
+// over the one packed copy: at one row it streams the weights as fast as dense_linear.cpp (a decode
+// step reads them at the read probe's rate), and from a few rows on the multiply-adds are several
+// times faster. A tile step multiplies 16 rows by 32 inputs by 16 channels.
 //
 // The work is split into blocks of 32 rows x 32 channels (four float32 C tiles: tmm0..3), the A tiles
 // (tmm4, tmm5: 16 rows x 32 inputs each) read straight from x with its row stride, the B tiles (tmm6,
 // tmm7: 32 inputs x 16 channels each) from the packed weight, 1 KB contiguous each. The blocks of
 // channels are split over `threads` OpenMP threads; each thread runs every block of rows through its
-// channels while their weights stay in the L2 cache. A row's result depends on its own row of x only.
+// channels while their weights stay in the L2 cache. A row's result depends on its own row of x only,
+// whatever the number of rows in the call (each tile product's element sums its own row and column).
 // Rows past M in the last block of rows are read from a zero-padded copy. Needs N % 16 == 0 and
 // K % 32 == 0.
 

@@ -16,8 +16,8 @@
 // the L1 or L2 cache. A row of y depends on its own row of x only, always summed in the same order, so
 // the result does not depend on the batch around it. Needs N % 16 == 0 and K % E == 0.
 //
-// The bfloat16 layout is also the one an AMX B tile reads: on AMX CPUs amx_linear.cpp runs calls of
-// several rows over the same packed weight.
+// The bfloat16 layout is also the one an AMX B tile reads: on AMX CPUs amx_linear.cpp runs every call
+// over the same packed weight.
 
 #include <algorithm>
 #include <cstdint>

@@ -1,8 +1,8 @@
-"""The AMX tile kernel (engine/models/csrc/amx_linear.cpp) that bfloat16 ``DenseLinear`` calls of
-``AMX_MIN_ROWS`` rows or more take on CPUs with AMX, over the same packed weight as the AVX-512
-kernel: its output against float64 arithmetic at every shape of tail (channels in blocks of 16 and
-32, rows in blocks of 16 and 32, rows past one chunk), each row independent of the rows beside it,
-and which calls take it. The kernel tests skip on CPUs without AMX; the choice tests run everywhere.
+"""The AMX tile kernel (engine/models/csrc/amx_linear.cpp) that bfloat16 ``DenseLinear`` runs on
+CPUs with AMX, over the same packed weight as the AVX-512 kernel: its output against float64
+arithmetic at every shape of tail (channels in blocks of 16 and 32, rows in blocks of 16 and 32, rows
+past one chunk), each row the same bits whatever the number of rows beside it, and where
+``make_linear`` takes it. The kernel tests skip on CPUs without AMX; the choice tests run everywhere.
 
 Tolerance: as tests/engine/models/test_dense_linear.py's (products of bfloat16 numbers are exact in
 float32, summed in float32 and rounded once to bfloat16).
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from pdserve.engine.models import kernels, linear
-from pdserve.engine.models.kernels import AMX_MIN_ROWS, DenseLinear, KernelUnavailable, dense_linear, load_cpu_kernels
+from pdserve.engine.models.kernels import DenseLinear, KernelUnavailable, dense_linear, load_cpu_kernels
 
 # [out_features, in_features]: 16-channel blocks even (96) and odd (208, 1008, 48); in_features 32 and up
 SHAPES = [(96, 576), (208, 1536), (1008, 64), (48, 32)]
-ROWS = [4, 15, 16, 17, 31, 32, 33, 48, 100]  # one or two 16-row tiles in the last block; 100 x 1536 spans chunks
+ROWS = [1, 3, 15, 16, 17, 31, 32, 33, 48, 100]  # one or two 16-row tiles in the last block; 100 x 1536: chunks
 
 
 def _lib():
@@ -36,7 +36,7 @@ def _weight(shape, seed=0) -> torch.Tensor:
 
 
 def _linear(lib, w, b=None) -> DenseLinear:
-    return DenseLinear(lib.pdserve_bf16_linear, w, b, lib.pdserve_bf16_amx_linear)
+    return DenseLinear(lib.pdserve_bf16_amx_linear, w, b)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -60,37 +60,20 @@ def test_tiles_match_exact_arithmetic(shape, threads, bias):
         torch.set_num_threads(before)
 
 
-def test_each_row_is_the_same_bits_in_any_call_the_tiles_take():
+def test_each_row_is_the_same_bits_alone_or_beside_any_number_of_rows():
     lin = _linear(_lib(), _weight((208, 1536)))
     x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
     batch = lin(x)
-    for i in (0, 13, 31, 40, 66):  # the same row at another place in its tile, or in the padded last block
-        assert torch.equal(lin(x[i : i + AMX_MIN_ROWS]), batch[i : i + AMX_MIN_ROWS]), i
+    for i in (0, 13, 31, 40, 69):  # alone (a decode row), then at another place in a tile or in the padded block
+        assert torch.equal(lin(x[i : i + 1]), batch[i : i + 1]), i
+        assert torch.equal(lin(x[i : i + 5]), batch[i : i + 5]), i
 
 
-def test_calls_of_amx_min_rows_or_more_take_the_tiles():
-    lib = _lib()
-    rows_seen = []
-
-    def amx(*args):
-        rows_seen.append(args[4])
-        lib.pdserve_bf16_amx_linear(*args)
-
-    w = _weight((64, 64))
-    lin, plain = DenseLinear(lib.pdserve_bf16_linear, w, None, amx), DenseLinear(lib.pdserve_bf16_linear, w, None)
-    for rows in (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 40):
-        x = torch.randn(rows, 64).bfloat16()
-        y = lin(x)
-        if rows < AMX_MIN_ROWS:
-            assert torch.equal(y, plain(x)), rows
-    assert rows_seen == [AMX_MIN_ROWS, 40]
-
-
-def test_make_linear_on_an_amx_cpu_takes_both_kernels(monkeypatch):
+def test_make_linear_on_an_amx_cpu_takes_the_tiles(monkeypatch):
     lib = _lib()
     monkeypatch.setattr(kernels, "has_amx", lambda: True)
     lin = linear.make_linear(_weight((64, 64)))
-    assert isinstance(lin, DenseLinear) and lin.amx_fn is lib.pdserve_bf16_amx_linear
+    assert isinstance(lin, DenseLinear) and lin.fn is lib.pdserve_bf16_amx_linear
 
 
 def test_cpus_without_amx_never_take_the_tiles(monkeypatch):
@@ -100,4 +83,4 @@ def test_cpus_without_amx_never_take_the_tiles(monkeypatch):
         pytest.skip(f"no CPU kernels here: {exc}")
     monkeypatch.setattr(kernels, "has_amx", lambda: False)
     lin = dense_linear(_weight((64, 64)), None)
-    assert lin is None or lin.amx_fn is None
+    assert lin is None or lin.fn is not load_cpu_kernels().pdserve_bf16_amx_linear
