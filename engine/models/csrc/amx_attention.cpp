@@ -1,5 +1,5 @@
 // Paged attention for bfloat16 on AMX tiles: paged_attention.cpp's computation, for its decode and
-// prefill calls alike, where the CPU has AMX, head_dim is 64 or 128, the block size a multiple of 16
+// prefill calls alike, where the CPU has AMX, head_dim is 64, 128 or 256, the block size a multiple of 16
 // and no softcap is asked for (else paged_attention.cpp runs it).
 //
 // One work item is one KV head of a few query rows of one sequence: its columns are the (row, query
@@ -42,7 +42,7 @@ extern "C" void pdserve_set_amx_attention(int on) { amx_attention_on = on != 0; 
 
 namespace {
 
-constexpr int kMaxDim = 128;
+constexpr int kMaxDim = 256;
 constexpr int64_t kAhead = 16;  // positions ahead whose K and V rows pass 1 asks for
 
 // acc_slot of paged_attention.cpp: where the interleaved V layout puts dim d
@@ -196,7 +196,7 @@ bool amx_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cach
                         int64_t block_size, int64_t max_blocks, int64_t q_stride, float scale, int64_t window,
                         float softcap, int num_threads) {
   const int64_t groups = num_heads / num_kv_heads;
-  if (!amx_attention_on || (head_dim != 64 && head_dim != 128) || softcap > 0.f || block_size % 16 ||
+  if (!amx_attention_on || (head_dim != 64 && head_dim != 128 && head_dim != 256) || softcap > 0.f || block_size % 16 ||
       groups > 16 || !amx_granted())
     return false;
   const int64_t rows_per_item = 16 / groups, row = num_kv_heads * head_dim;
@@ -214,12 +214,9 @@ bool amx_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cach
       const int64_t h = item % num_kv_heads, nq = query_start_loc[b + 1] - query_start_loc[b];
       const int64_t rows = std::min(rows_per_item, nq - r0);
       const int32_t* table = block_tables + b * max_blocks;
-      if (head_dim == 64)
-        attend_item<64>(buf, out, q, k_cache, v_cache, table, b, r0, rows, h, nq, seq_lens[b], query_start_loc[b],
-                        num_heads, groups, row, block_size, q_stride, scale, window);
-      else
-        attend_item<128>(buf, out, q, k_cache, v_cache, table, b, r0, rows, h, nq, seq_lens[b], query_start_loc[b],
-                         num_heads, groups, row, block_size, q_stride, scale, window);
+      const auto attend = head_dim == 64 ? attend_item<64> : head_dim == 128 ? attend_item<128> : attend_item<256>;
+      attend(buf, out, q, k_cache, v_cache, table, b, r0, rows, h, nq, seq_lens[b], query_start_loc[b], num_heads,
+             groups, row, block_size, q_stride, scale, window);
     }
     _tile_release();
   }

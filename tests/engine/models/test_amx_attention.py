@@ -1,6 +1,6 @@
 """bfloat16 paged attention on AMX tiles (engine/models/csrc/amx_attention.cpp), which
 ``pdserve_paged_attention_bf16`` runs where the CPU has AMX: against float64 arithmetic for decode
-and prefill rows (grouped-query, sliding windows, head_dim 64 and 128, block sizes 16 and 32), a row
+and prefill rows (grouped-query, sliding windows, head_dim 64, 128 and 256, block sizes 16 and 32), a row
 alone giving the same bits as beside others, and the calls it leaves to paged_attention.cpp. Skips
 on CPUs without AMX.
 
@@ -23,6 +23,7 @@ CASES = [  # (query rows per sequence, sequence lengths, heads, kv heads, head_d
     ([20, 1, 9], [20, 77, 60], 12, 4, 64, 16, 24),
     ([16, 1], [16, 40], 16, 1, 64, 16, 0),
     ([7, 1], [7, 35], 4, 4, 64, 16, 0),
+    ([12, 1], [12, 45], 4, 1, 256, 16, 20),  # Gemma 3's shape, a sliding-window layer
 ]
 
 
@@ -112,7 +113,9 @@ def test_a_row_alone_is_the_same_bits_as_beside_other_rows(case):
 
 
 @pytest.mark.parametrize(
-    "head_dim, block_size, softcap", [(32, 16, 0.0), (64, 8, 0.0), (64, 16, 30.0)], ids=["d32", "bs8", "softcap"]
+    "head_dim, block_size, softcap",
+    [(32, 16, 0.0), (96, 16, 0.0), (64, 8, 0.0), (64, 16, 30.0)],
+    ids=["d32", "d96", "bs8", "softcap"],
 )
 def test_calls_the_tiles_do_not_take_run_the_other_path(head_dim, block_size, softcap):
     lib = _lib()
