@@ -56,7 +56,7 @@ struct Buffers {  // one thread's
   std::vector<uint16_t> p;     // [16, npos] bfloat16 probabilities (rows past the item's columns 0)
   alignas(64) uint16_t qt[kMaxDim / 32][16][32];  // Q^T B tiles: [step][pair of dims][column, 2]
   alignas(64) float c[16 * 16];
-  alignas(64) uint16_t vb[4][16][32];  // V B tiles of one step: [16 dims][pair of positions][16 lanes, 2]
+  alignas(64) uint16_t vb[4][16][32];  // V B tiles of one step, one per 16 dims: [pair of positions][dims x 2]
   alignas(64) float o[16][kMaxDim];    // out in acc_slot order
   alignas(64) uint16_t zero[kMaxDim] = {};
 };
@@ -84,7 +84,8 @@ void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t*
       for (int i = 0; i < 16; ++i) std::memcpy(&buf.qt[s][i][2 * j], qr + 32 * s + 2 * i, 4);
   }
   buf.s.resize(16 * npos);
-  buf.p.assign(16 * npos, 0);
+  buf.p.resize(16 * npos);  // rows past cols are P's zero rows in the A tile; the rest is written below
+  std::memset(buf.p.data() + cols * npos, 0, (16 - cols) * npos * sizeof(uint16_t));
   float* S = buf.s.data();
   // pass 1: scores, 16 positions a tile product, from the block holding lo_min on
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
