@@ -9,9 +9,10 @@ For each prompt length, a prompt of that many random tokens is prefilled alone (
 max_tokens 1) ``--repeats`` times after two warm-ups, and the fastest step is reported with its
 parts timed as ``decode_profile.py`` times them (linears, lm_head, the attention kernel's prefill,
 elementwise, the rest). The achieved rate is the model's FLOPs (the linears' 2 x weights per token,
-plus causal attention's QK^T and PV) over the step's time; the peak is the engine's own linear
-(packed as the engine packs it) on an [n, hidden] x [hidden, intermediate] GEMM at the same row count,
-as ``pdserve throughput`` measures it. Prints the CPU beside the figures.
+plus causal attention's QK^T and PV) over the step's time; the peak is an [n, hidden] x [hidden,
+intermediate] GEMM at the same row count, the faster of the engine's own linear (as ``pdserve
+throughput`` measures it) and oneDNN's packed GEMM, whatever ``--linear-kernel`` picks. Prints the
+CPU beside the figures.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from pdserve.cli.throughput import matmul_tflops, model_flops_per_token
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models import attention
+from pdserve.engine.models import linear as engine_linear
 from pdserve.engine.params import SamplingParams
+from pdserve.worker.flags import non_negative_int, positive_int
 
 
 def prefill_flops(engine: LLMEngine, n: int) -> float:
@@ -43,6 +46,18 @@ def prefill_flops(engine: LLMEngine, n: int) -> float:
     linear = n * (model_flops_per_token(mc) - 2 * mc.hidden_size * mc.vocab_size) + 2 * mc.hidden_size * mc.vocab_size
     attn = 2 * mc.num_layers * mc.num_heads * mc.head_dim * n * (n + 1)  # QK^T and PV over the causal half
     return linear + attn
+
+
+def gemm_peak(rows: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> float:
+    """TFLOP/s of x [rows, k] @ w [n, k].T: the faster of the engine's own linear and oneDNN's packed
+    GEMM, so that the peak does not move with ``--linear-kernel``."""
+    own = matmul_tflops(rows, k, n, dtype, device)
+    chosen, engine_linear.dense_linear = engine_linear.dense_linear, lambda weight, bias: None
+    try:
+        onednn = matmul_tflops(rows, k, n, dtype, device)
+    finally:
+        engine_linear.dense_linear = chosen
+    return max(own, onednn)
 
 
 def profile_len(engine: LLMEngine, timers: Timers, n: int, repeats: int) -> None:
@@ -62,7 +77,7 @@ def profile_len(engine: LLMEngine, timers: Timers, n: int, repeats: int) -> None
         if i >= 2 and wall < best:
             best, parts = wall, dict(timers.seconds)
     mc, runner = engine.model_cfg, engine.runner
-    peak = matmul_tflops(n, mc.hidden_size, mc.intermediate_size, runner.dtype, runner.device)
+    peak = gemm_peak(n, mc.hidden_size, mc.intermediate_size, runner.dtype, runner.device)
     rate = prefill_flops(engine, n) / best / 1e12
     ms = {k: v * 1e3 for k, v in parts.items()}
     linear = ms.get("linear", 0.0) - ms.get("lm_head", 0.0)
@@ -87,12 +102,12 @@ def profile_len(engine: LLMEngine, timers: Timers, n: int, repeats: int) -> None
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded:llama-80m")
+    p.add_argument("--model", default="embedded:llama-80m", help="as pdserve's --model (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "auto"])
-    p.add_argument("--lens", type=int, nargs="+", default=[256, 1024], help="prompt lengths (tokens)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--attention-backend", default="auto", help="as pdserve's --attention-backend")
+    p.add_argument("--lens", type=positive_int, nargs="+", default=[256, 1024], help="prompt lengths (tokens)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed prefills per length; the fastest counts")
+    p.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--attention-backend", default="auto", choices=attention.BACKENDS, help="as pdserve's")
     add_kernel_flags(p)
     args = p.parse_args()
     if args.threads:
@@ -107,7 +122,14 @@ def main() -> None:
         torch_threads=args.threads,
         attention_backend=args.attention_backend,
     )
-    engine = LLMEngine(cfg)
+    try:
+        engine = LLMEngine(cfg)
+    except (ValueError, FileNotFoundError) as exc:  # a model the engine refuses
+        p.error(str(exc))
+    window = engine.model_cfg.max_position_embeddings
+    too_long = [n for n in args.lens if n >= window]
+    if too_long:
+        p.error(f"--lens {too_long[0]}: the model's context window is {window} tokens")
     timers = Timers()
     instrument_engine(engine, timers)
     instrument_classes(timers, type(engine.runner.model.ops))
