@@ -133,6 +133,12 @@ def profile_batch(args, batch: int, bandwidth: float, timers: Timers, torch_prof
     engine = LLMEngine(cfg)
     rng = random.Random(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=args.steps + WARMUP_STEPS + 4, ignore_eos=True)
+    window = engine.model_cfg.max_position_embeddings
+    if args.context + sampling.max_tokens > window:
+        raise ValueError(
+            f"--context {args.context} and --steps {args.steps} (+ {WARMUP_STEPS + 4} warm-up tokens) exceed the "
+            f"model's context window of {window} tokens"
+        )
     for i in range(batch):
         engine.add_request(f"p{i}", [rng.randrange(engine.model_cfg.vocab_size) for _ in range(args.context)], sampling)
     while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running):
