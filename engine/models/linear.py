@@ -3,12 +3,13 @@
 On an AVX-512 CPU without AMX, bfloat16 (with AVX512-BF16) and float32 weights run pdserve's own
 kernel (``csrc/dense_linear.cpp``, ``kernels.DenseLinear``): a decode step's few rows stream the
 weight near the memory's read bandwidth, where oneDNN's GEMM read it at about half, and larger calls
-run at about oneDNN's rate (figures: docs/measurements.md). Elsewhere on CPU, oneDNN's packed
-(blocked) weight format lets ``torch.ops.mkldnn._linear_pointwise`` skip the per-call reorder that
-``F.linear`` pays, which matters most at decode's small row counts. These are the ops Inductor's
-freezing pass emits (``torch/_inductor/fx_passes/mkldnn_fusion.py``); AMX CPUs keep them, for their
-AMX GEMM. Everywhere else, and for dtypes oneDNN cannot pack on this CPU (float16 without
-AVX512-FP16), the weight stays a plain tensor for ``F.linear``.
+run at about oneDNN's rate. On an AMX CPU, bfloat16 weights run AMX tiles over the same packed weight
+(``csrc/amx_linear.cpp``) (figures: docs/measurements.md). Elsewhere on CPU (float32 on AMX CPUs
+among them), oneDNN's packed (blocked) weight format lets ``torch.ops.mkldnn._linear_pointwise``
+skip the per-call reorder that ``F.linear`` pays, which matters most at decode's small row counts.
+These are the ops Inductor's freezing pass emits (``torch/_inductor/fx_passes/mkldnn_fusion.py``).
+Everywhere else, and for dtypes oneDNN cannot pack on this CPU (float16 without AVX512-FP16), the
+weight stays a plain tensor for ``F.linear``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 //      (as SDPA's CPU kernel rounds p) and its sum.
 //   2. out [16 columns, head_dim] = P [16 columns, positions] . V, 32 positions a step: P is the A
 //      tile; V's rows are interleaved two positions at a time into B tiles (unpacklo/hi, so the
-//      accumulators hold the dims in paged_attention.cpp's acc_slot order).
+//      accumulators hold the dims in vec_math.h's acc_slot order).
 // Taking the maximum over all positions first (two passes), rather than the online softmax, leaves
 // the output tiles in place across the whole sum.
 //
@@ -44,12 +44,6 @@ namespace {
 
 constexpr int kMaxDim = 256;
 constexpr int64_t kAhead = 16;  // positions ahead whose K and V rows pass 1 asks for
-
-// acc_slot of paged_attention.cpp: where the interleaved V layout puts dim d
-constexpr int64_t acc_slot(int64_t d) {
-  const int64_t r = d % 32, half = (r % 8) / 4;
-  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
-}
 
 struct Buffers {  // one thread's
   std::vector<float> s;        // [16, npos] scores
@@ -180,7 +174,7 @@ void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t*
     uint16_t* op = out + ((q_start + r0 + j / groups) * num_heads + h * groups + j % groups) * kDim;
     const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
     alignas(64) float o[kDim];
-    for (int64_t d = 0; d < kDim; ++d) o[d] = buf.o[j][acc_slot(d)] * inv;
+    for (int64_t d = 0; d < kDim; ++d) o[d] = buf.o[j][pdserve::acc_slot(d)] * inv;
     for (int64_t d = 0; d < kDim; d += 16) pdserve::store_bf16x16(op + d, _mm512_load_ps(o + d));
   }
 }

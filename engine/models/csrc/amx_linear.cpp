@@ -86,36 +86,34 @@ extern "C" void pdserve_bf16_amx_linear(const uint16_t* x, const uint16_t* packe
                                         int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t pairs = (N / 16 + 1) / 2;  // blocks of 32 channels (the last may hold 16)
   const int64_t chunk_rows = std::max<int64_t>(32, kChunkBytes / (2 * K) / 32 * 32);
+  std::unique_ptr<uint16_t[]> pad;  // the last block of rows, zero-padded to 32, when M % 32 != 0
+  if (M % 32) {
+    pad.reset(new uint16_t[32 * K]);
+    std::memcpy(pad.get(), x + (M - M % 32) * K, (M % 32) * K * 2);
+    std::memset(pad.get() + (M % 32) * K, 0, (32 - M % 32) * K * 2);
+  }
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
     alignas(64) float c[32 * 32];
-    std::unique_ptr<uint16_t[]> pad;  // the last block of rows, zero-padded to 32, when M % 32 != 0
-    if (M % 32) {
-      pad.reset(new uint16_t[32 * K]);
-      std::memcpy(pad.get(), x + (M - M % 32) * K, (M % 32) * K * 2);
-      std::memset(pad.get() + (M % 32) * K, 0, (32 - M % 32) * K * 2);
-    }
     for (int64_t chunk = 0; chunk < M; chunk += chunk_rows) {
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t nb = 2 * p;
-      const bool two = nb + 1 < N / 16;
-      const int64_t width = two ? 32 : 16;
-      const __m512 b0 = bias != nullptr ? pdserve::load_bf16x16(bias + nb * 16) : _mm512_setzero_ps();
-      const __m512 b1 = bias != nullptr && two ? pdserve::load_bf16x16(bias + nb * 16 + 16) : _mm512_setzero_ps();
-      for (int64_t m0 = chunk; m0 < std::min(M, chunk + chunk_rows); m0 += 32) {
-        const bool full = m0 + 32 <= M;
-        const uint16_t* xr = full ? x + m0 * K : pad.get();
-        const int64_t rows = std::min<int64_t>(32, M - m0);
-        tile_block(xr, K, packed, K, nb, c, two, rows > 16);
-        for (int64_t r = 0; r < rows; ++r) {
-          uint16_t* yr = y + (m0 + r) * N + nb * 16;
-          pdserve::store_bf16x16(yr, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0));
-          if (width == 32) pdserve::store_bf16x16(yr + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1));
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t nb = 2 * p;
+        const bool two = nb + 1 < N / 16;
+        const __m512 b0 = bias != nullptr ? pdserve::load_bf16x16(bias + nb * 16) : _mm512_setzero_ps();
+        const __m512 b1 = bias != nullptr && two ? pdserve::load_bf16x16(bias + nb * 16 + 16) : _mm512_setzero_ps();
+        for (int64_t m0 = chunk; m0 < std::min(M, chunk + chunk_rows); m0 += 32) {
+          const uint16_t* xr = m0 + 32 <= M ? x + m0 * K : pad.get();
+          const int64_t rows = std::min<int64_t>(32, M - m0);
+          tile_block(xr, K, packed, K, nb, c, two, rows > 16);
+          for (int64_t r = 0; r < rows; ++r) {
+            uint16_t* yr = y + (m0 + r) * N + nb * 16;
+            pdserve::store_bf16x16(yr, _mm512_add_ps(_mm512_load_ps(c + r * 32), b0));
+            if (two) pdserve::store_bf16x16(yr + 16, _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1));
+          }
         }
       }
-    }
     }
     _tile_release();
   }

@@ -110,13 +110,6 @@ void init_state(HeadState<T, kHeadDim>& st, const T* q_head, int64_t groups, int
   }
 }
 
-// Where attend_chunk_dpbf16 keeps dim d of a head in its accumulators: each 32 dims are two vectors
-// (unpacklo, unpackhi), whose lane 4L + t holds dim 8L + t and 8L + 4 + t.
-constexpr int64_t acc_slot(int64_t d) {
-  const int64_t r = d % 32, half = (r % 8) / 4;
-  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
-}
-
 // Soft-capping of n scores in place: s -> softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
 inline void cap_scores(float* s, int64_t n, float softcap) {
   for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
@@ -359,7 +352,7 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
           T* op = out + ((query_start_loc[b] + r0 + r) * num_heads + (h0 + i) * groups + g) * head_dim;
           const float inv = st.l[g] > 0.f ? 1.f / st.l[g] : 0.f;
           for (int64_t d = 0; d < head_dim; ++d)
-            store(op, d, st.acc[g][kUseDpbf16<T, kHeadDim> ? acc_slot(d) : d] * inv);
+            store(op, d, st.acc[g][kUseDpbf16<T, kHeadDim> ? pdserve::acc_slot(d) : d] * inv);
         }
       }
     }

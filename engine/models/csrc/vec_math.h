@@ -30,6 +30,14 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+// Where the bfloat16 p . v of paged_attention.cpp and amx_attention.cpp keeps dim d of a head: V rows
+// are interleaved two positions at a time with unpacklo/hi_epi16, so each 32 dims are two vectors
+// (unpacklo, unpackhi) whose lane 4L + t holds dim 8L + t and 8L + 4 + t.
+constexpr int64_t acc_slot(int64_t d) {
+  const int64_t r = d % 32, half = (r % 8) / 4;
+  return (d / 32) * 32 + half * 16 + (r / 8) * 4 + r % 4;
+}
+
 #if defined(__AVX512F__)
 // 16 bfloat16 -> float32 lanes (the high half of each 32-bit lane).
 inline __m512 load_bf16x16(const uint16_t* p) {
