@@ -38,18 +38,29 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this one thread beats w
 inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
-inline __m512i round_to_bf16_bits(__m512 x) {  // to_bf's rounding in 32-bit lanes (bits in the low half)
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+#if defined(__AVX512BF16__)
+// One instruction (vcvtneps2bf16) rounds to nearest even as to_bf does, except that a float32 denormal
+// becomes a signed zero and a NaN keeps its sign: values a decoder's activations never hold.
+inline __m256i to_bf16_lanes(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#else
+inline __m256i to_bf16_lanes(__m512 x) {  // to_bf's rounding in 32-bit lanes, narrowed
   const __m512i u = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                 _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
 }
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
-inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16_bits(x), 16)); }
-inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask) {
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(round_to_bf16_bits(x)));
+#endif
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 round_bf16(__m512 x) { return widen_bf16(to_bf16_lanes(x)); }
+inline void store_bf16(uint16_t* p, __m512 x, __mmask16 mask) { _mm256_mask_storeu_epi16(p, mask, to_bf16_lanes(x)); }
+// 1 / d within 2 float32 ulp: vrcp14ps and one Newton-Raphson step, in place of vdivps (a 16-lane
+// divide issues once every 16 cycles or so, a cycle an element of silu).
+inline __m512 reciprocal(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
 }
 #endif
 
@@ -116,7 +127,7 @@ void pdserve_silu_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows,
     for (int64_t i = 0; i < inter; i += 16) {
       const __mmask16 m = inter - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (inter - i)) - 1);
       const __m512 x = load_bf16(g + i, m);
-      const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), pdserve::exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      const __m512 silu = _mm512_mul_ps(x, reciprocal(_mm512_add_ps(_mm512_set1_ps(1.f), pdserve::exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
       store_bf16(o + i, _mm512_mul_ps(round_bf16(silu), load_bf16(u + i, m)), m);
     }
 #else
@@ -139,21 +150,23 @@ void pdserve_rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
   for (int64_t t = 0; t < rows; ++t) {
     const uint16_t* c = cos + t * head_dim;
     const uint16_t* s = sin + t * head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      uint16_t* p = x + t * row_stride + h * head_dim;
 #if defined(__AVX512F__)
-      for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 m = tail_mask(half - i);
+    for (int64_t i = 0; i < half; i += 16) {  // cos and sin loaded once for every head
+      const __mmask16 m = tail_mask(half - i);
+      const __m512 c_lo = load_bf16(c + i, m), c_hi = load_bf16(c + i + half, m);
+      const __m512 s_lo = load_bf16(s + i, m), s_hi = load_bf16(s + i + half, m);
+      for (int64_t h = 0; h < heads; ++h) {
+        uint16_t* p = x + t * row_stride + h * head_dim;
         const __m512 a = load_bf16(p + i, m), b = load_bf16(p + i + half, m);
-        const __m512 c_lo = load_bf16(c + i, m), c_hi = load_bf16(c + i + half, m);
-        const __m512 s_lo = load_bf16(s + i, m), s_hi = load_bf16(s + i + half, m);
-        const __m512 neg_b = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32(INT32_MIN)));
-        const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, c_lo)), round_bf16(_mm512_mul_ps(neg_b, s_lo)));
+        const __m512 lo = _mm512_sub_ps(round_bf16(_mm512_mul_ps(a, c_lo)), round_bf16(_mm512_mul_ps(b, s_lo)));
         const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, c_hi)), round_bf16(_mm512_mul_ps(a, s_hi)));
         store_bf16(p + i, lo, m);
         store_bf16(p + i + half, hi, m);
       }
+    }
 #else
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* p = x + t * row_stride + h * head_dim;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float a = bf(p[i]), b = bf(p[i + half]);
@@ -162,8 +175,8 @@ void pdserve_rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
         p[i] = to_bf(lo);
         p[i + half] = to_bf(hi);
       }
-#endif
     }
+#endif
   }
 }
 
