@@ -207,6 +207,8 @@ class Simulator:
         w = r.worker.handle
         w.outstanding_prefill_tokens += n
         w.active_requests += 1
+        if rec.prefilled_on_decode:  # router/backends.py colocated_stream: its blocks until the next poll
+            w.routed_blocks_since_poll += -(-(n + 1) // w.block_size)
         if r.decode is not None:  # SplitBackend: index both, count decode's request and blocks
             pool.served(w, prompt)
             pool.served(r.decode.handle, prompt)

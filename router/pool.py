@@ -48,6 +48,8 @@ class WorkerPool:
         tokens), so a held prefix wins until the worker's queue outweighs it;
       - decode: the worker holding the longest prefix, unless the requests held differ by more than
         ``BALANCE_ABS_REQUESTS`` and ``BALANCE_REL`` times, then the least-loaded (SGLang's rule).
+    Under ``auto`` placement with no prefill worker routable, every decode worker prefills its own
+    requests, and a decode pick follows the colocated rule of the routing policy.
 
     ``max_requests_per_worker`` (0: none) bounds the requests a decode or colocated worker holds;
     past it on every worker, a new request is refused (Overloaded) instead of queuing without end.
@@ -148,6 +150,9 @@ class WorkerPool:
     def pick_decode(self, n: int = 0, hashes: list[BlockHash] = ()) -> WorkerHandle:
         """The decode worker for an ``n``-token prompt (see the class docstring)."""
         ws = self._with_room("decode")
+        if self.placement == "auto" and not self.routable("prefill"):
+            # every worker prefills its own requests (colocated placement): colocated's rule
+            return self._pick_by_tokens(ws, n, list(hashes))
         by_room = max(ws, key=lambda w: (w.free_kv_blocks - w.routed_blocks_since_poll, -w.active_requests))
         if not hashes or len(ws) == 1:
             return by_room

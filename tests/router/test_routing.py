@@ -119,3 +119,25 @@ async def test_a_worker_that_caches_nothing_is_never_credited_with_a_prefix() ->
     assert pool.cached_tokens(holder, len(p), pool.prefix_of(p)) > 0
     holder.cached_kv_blocks = 0
     assert pool.cached_tokens(holder, len(p), pool.prefix_of(p)) == 0
+
+
+async def test_auto_with_every_worker_decoding_picks_as_colocated_does() -> None:
+    """With no prefill worker left (auto placement after a switch), each decode worker prefills its
+    own requests: the pick follows the prefill queue, as a colocated pick does, not the free KV
+    blocks."""
+    pool = make_pool("least-loaded", role="decode")
+    a, b = [w for w in pool.workers if w.role == "decode"]
+    for w in pool.workers:
+        w.switchable = True
+    pool.workers[0].draining = True  # the prefill worker, switching to decode
+    for w in (a, b):
+        w.free_kv_blocks, w.total_kv_blocks, w.block_size = 500, 500, BS
+    a.free_kv_blocks = 600  # more room, but a prompt is being prefilled there
+    a.outstanding_prefill_tokens = 256
+    assert pool.placement == "auto" and not pool.routable("prefill")
+    assert pool.pick_decode(256) is b
+    a.outstanding_prefill_tokens = 0
+    assert pool.pick_decode(256) is a
+    pool.workers[0].draining = False  # a prefill worker again: decode picks by room
+    a.outstanding_prefill_tokens = 256
+    assert pool.pick_decode(256) is a
