@@ -16,6 +16,19 @@ would only grow (more prefill capacity is what it calls for, which a hot prefill
 utilisation rule). For ``hold_s`` after such a move no utilisation move may empty the
 prefill role again.
 
+**SLO merges** go the other way: when the TPOT p90 is over target on decode workers beside a
+prefill side with room (each prefill worker busy under ``PREFILL_FULL``), a prefill worker moves to
+decode (reason ``slo``) if the window's work, prompts included, fits the workers after it. The
+decode side is then short of workers, and a decode step's cost grows more slowly than its batch
+(the weights are read once a step), so two workers decoding half the batch each beside their own
+prompts can beat one decoding all of it (a 2-core AMX Xeon, W2 at 8 req/s: colocated's TPOT p50
+31-44 ms against split's 36-53 ms, docs/measurements.md).
+
+An SLO move in one direction waits ``hold_s`` after one in the other, and an SLO move that undoes
+the one before it (the TPOT p90 was still over target after it) bars the move it undid for
+``learn_s``: the balancer tries each direction, keeps what met the target, and never flips
+between the two on a load that neither serves within it.
+
 **Utilisation moves** balance the busier side, and only when it is hot (at least ``high``): with
 ``P`` prefill and ``D`` decode workers its utilisation is ``max(prefill work / P, decode side / D)``.
 The balancer predicts it after moving one worker either way (never the last decode worker) and
@@ -25,6 +38,7 @@ colocated placement) costs ``mix_cost`` times its time on a prefill worker (prom
 decode workers for a new prefill worker is counted at the time it took there): a decode row in a
 step beside a prompt chunk costs 1.3-1.6 times its decode-step time (``pdserve profile``'s mixed
 fit, docs/measurements.md) and the prompt's tokens wait for the rows beside them.
+For ``hold_s`` after an SLO move no utilisation move undoes it.
 
 Hysteresis, as NVIDIA Dynamo's SLA planner learnt it (oscillation between two replica counts,
 scaling on no traffic): a move is proposed only after ``patience`` consecutive windows agree on it;
@@ -35,6 +49,8 @@ nothing is hot and no latency is over target.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+PREFILL_FULL = 0.9  # a prefill side this busy is short of workers itself: no SLO merge takes one
 
 
 @dataclass(frozen=True)
@@ -92,10 +108,13 @@ class RoleBalancer:
     mix_cost: float = 1.5
     min_local_share: float = 0.1
     hold_s: float = 60.0
+    learn_s: float = 600.0
     _streak: tuple[str, str] | None = field(default=None, repr=False)
     _count: int = field(default=0, repr=False)
     _last_switch_s: float = field(default=float("-inf"), repr=False)
     _slo_split_s: float = field(default=float("-inf"), repr=False)
+    _slo_merge_s: float = field(default=float("-inf"), repr=False)
+    _barred: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> barred until (s)
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.margin < 1.0 and self.patience >= 1 and self.cooldown_s >= 0 and self.mix_cost >= 1.0):
@@ -119,21 +138,33 @@ class RoleBalancer:
         if d == 0:
             return None
         now = bottleneck(loads, p, d)
-        to_prefill = None
+        slow = self.slo_tpot_s is not None and tpot_p90_s is not None and tpot_p90_s > self.slo_tpot_s
+        to_prefill = to_decode = None
         if d >= 2:  # a decode worker to prefill: the one whose streams end soonest (least busy)
             w = min((w for w in loads if w.role == "decode"), key=lambda w: w.busy)
             to_prefill = Move(w.address, "decode", "prefill", now, bottleneck(loads, p + 1, d - 1, self.mix_cost))
             local = sum(w.prefill_busy for w in loads if w.role == "decode") / d
-            slow = self.slo_tpot_s is not None and tpot_p90_s is not None and tpot_p90_s > self.slo_tpot_s
             ttft_over = self.slo_ttft_s is not None and ttft_p90_s is not None and ttft_p90_s > self.slo_ttft_s
-            if slow and not ttft_over and local >= self.min_local_share and to_prefill.predicted < self.high:
+            if (
+                slow
+                and not ttft_over
+                and local >= self.min_local_share
+                and to_prefill.predicted < self.high
+                and self._slo_allowed("prefill", now_s)
+            ):
                 return Move(to_prefill.address, "decode", "prefill", now, to_prefill.predicted, "slo")
+        if p >= 1:  # a prefill worker to decode: the least busy one
+            w = min((w for w in loads if w.role == "prefill"), key=lambda w: w.busy)
+            to_decode = Move(w.address, "prefill", "decode", now, bottleneck(loads, p - 1, d + 1, self.mix_cost))
+            prefill_full = sum(w.busy for w in loads if w.role == "prefill") / p >= PREFILL_FULL
+            fits = bottleneck(loads, p - 1, d + 1) < 1.0  # the window's work, mixing not costed
+            if slow and not prefill_full and fits and self._slo_allowed("decode", now_s):
+                return Move(to_decode.address, "prefill", "decode", now, to_decode.predicted, "slo")
         if now < self.high:
             return None
-        options = [to_prefill] if to_prefill else []
-        if p >= 1 and not (p == 1 and now_s - self._slo_split_s < self.hold_s):  # a prefill worker to decode
-            w = min((w for w in loads if w.role == "prefill"), key=lambda w: w.busy)
-            options.append(Move(w.address, "prefill", "decode", now, bottleneck(loads, p - 1, d + 1, self.mix_cost)))
+        options = [to_prefill] if to_prefill and now_s - self._slo_merge_s >= self.hold_s else []
+        if to_decode and not (p == 1 and now_s - self._slo_split_s < self.hold_s):
+            options.append(to_decode)
         best = min(options, key=lambda m: m.predicted, default=None)
         return best if best is not None and best.predicted < now - self.margin else None
 
@@ -156,8 +187,23 @@ class RoleBalancer:
             return None
         self._streak, self._count = None, 0
         if move.reason == "slo":
-            self._slo_split_s = now_s
+            undone, same = (
+                (self._slo_merge_s, self._slo_split_s)
+                if move.to_role == "prefill"
+                else (self._slo_split_s, self._slo_merge_s)
+            )
+            if undone > same:  # it undoes the last SLO move: bar that one for learn_s
+                self._barred["decode" if move.to_role == "prefill" else "prefill"] = now_s + self.learn_s
+            if move.to_role == "prefill":
+                self._slo_split_s = now_s
+            else:
+                self._slo_merge_s = now_s
         return move
+
+    def _slo_allowed(self, to_role: str, now_s: float) -> bool:
+        """An SLO move to ``to_role``: not barred, and ``hold_s`` after an SLO move the other way."""
+        other = self._slo_merge_s if to_role == "prefill" else self._slo_split_s
+        return now_s >= self._barred.get(to_role, float("-inf")) and now_s - other >= self.hold_s
 
     def switched(self, now_s: float) -> None:
         """A switch ended at ``now_s`` (done or given up): the cooldown starts."""

@@ -64,6 +64,48 @@ def test_after_an_slo_split_utilisation_does_not_empty_the_prefill_role_for_hold
     assert b.observe(61.0, IDLE_PREFILL, tpot_p90_s=0.020).to_role == "decode"
 
 
+# W2 at 8 req/s on split 1 + 1: decode saturated, TPOT over target, the prefill worker 60 % busy
+SPLIT_SLOW = [load("p0", "prefill", 0.6, 0.0), load("d0", "decode", 0.05, 0.95)]
+
+
+def test_tpot_over_target_beside_a_prefill_worker_with_room_merges_it_into_decode():
+    b = RoleBalancer(slo_ttft_s=0.4, slo_tpot_s=0.040)
+    assert b.best_move(SPLIT_SLOW, tpot_p90_s=0.030) is None  # within target: the utilisation rule finds no gain
+    move = b.best_move(SPLIT_SLOW, ttft_p90_s=0.5, tpot_p90_s=0.045)
+    assert (move.address, move.from_role, move.to_role, move.reason) == ("p0", "prefill", "decode", "slo")
+    assert move.predicted == pytest.approx((0.6 * 1.5 + 1.0) / 2)  # the utilisation view, mixing costed
+    full_prefill = [load("p0", "prefill", 0.92, 0.0), load("d0", "decode", 0.0, 0.95)]
+    assert b.best_move(full_prefill, tpot_p90_s=0.045) is None  # short of prefill workers too: overloaded
+    two_prefill = [load("p0", "prefill", 0.85, 0.0), load("p1", "prefill", 0.85, 0.0), load("d0", "decode", 0.0, 1.0)]
+    assert b.best_move(two_prefill, tpot_p90_s=0.045) is None  # one prefill worker could not take both's prompts
+
+
+def test_an_slo_move_that_is_undone_is_not_tried_again_for_learn_s():
+    b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=0.0, hold_s=60.0, learn_s=600.0)
+    assert b.observe(0.0, SPLIT_SLOW, tpot_p90_s=0.045).to_role == "decode"  # merge
+    b.switched(1.0)
+    assert b.observe(30.0, COLOCATED, tpot_p90_s=0.060) is None  # still slow, but within hold_s of the merge
+    split = b.observe(61.0, COLOCATED, tpot_p90_s=0.060)
+    assert (split.to_role, split.reason) == ("prefill", "slo")  # the merge did not help: undone
+    b.switched(62.0)
+    for t in (130.0, 400.0, 660.0):  # merges barred for learn_s after the split that undid one
+        assert b.observe(t, SPLIT_SLOW, tpot_p90_s=0.045) is None
+    assert b.observe(662.0, SPLIT_SLOW, tpot_p90_s=0.045).to_role == "decode"
+
+
+def test_slo_moves_on_a_load_neither_placement_serves_stop_flipping():
+    b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=10.0, hold_s=60.0, learn_s=600.0)
+    loads = SPLIT_SLOW
+    switches = []
+    for t in range(0, 1200, 5):  # TPOT over target whatever the roles
+        move = b.observe(float(t), loads, tpot_p90_s=0.060)
+        if move is not None:
+            switches.append(t)
+            b.switched(float(t))
+            loads = COLOCATED if move.to_role == "decode" else SPLIT_SLOW
+    assert switches == [0, 60, 660]  # each direction tried, then each barred for learn_s after it failed
+
+
 def test_a_move_needs_patience_windows_in_a_row_and_then_a_cooldown():
     b = RoleBalancer(patience=3, cooldown_s=10.0)
     assert b.observe(1.0, IDLE_PREFILL) is None
