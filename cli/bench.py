@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdserve.loadgen.args import add_slo_args, add_workload_args, build_specs, fall_back_without_datasets, slo_from_args
+from pdserve.loadgen.args import (
+    add_slo_args,
+    add_workload_args,
+    build_specs,
+    check_trace,
+    fall_back_without_datasets,
+    slo_from_args,
+)
 from pdserve.loadgen.metrics import LATENCY_METRICS, RequestRecord, json_safe, prefix_reuse_ceiling, summarize
 from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
 from pdserve.loadgen.workload import RequestSpec
@@ -201,6 +208,7 @@ def cmd_bench(args) -> int:
     note = fall_back_without_datasets(args)
     if note:
         print(note, flush=True)
+    check_trace(args)  # a missing or malformed trace is named before the router is dialled
 
     async def main() -> int:
         async with make_backend(args) as backend:

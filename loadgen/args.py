@@ -181,6 +181,15 @@ def _load_trace(args):
         raise FileNotFoundError(f"{exc}. The trace {args.trace} is read for {' and '.join(needs)}") from None
 
 
+def check_trace(args) -> None:
+    """Read ``--trace`` now when the run will need it (as ``build_specs`` decides), so that a
+    missing or malformed file is reported before any connection: FileNotFoundError or ValueError,
+    as ``load_trace`` raises them."""
+    fill_workload_defaults(args)
+    if args.arrival == "trace" or args.input_len is None or args.output_len is None:
+        _load_trace(args)
+
+
 def build_specs(args, tokenizer, max_model_len: int, rate: float | None) -> list[RequestSpec]:
     """The request list for one run. The same args give the same lengths and prompts at every rate;
     only the send times change with ``rate`` (req/s).

@@ -57,9 +57,10 @@ class FakeBackend:
     name = "openai"
 
     def __init__(self, error: str = "") -> None:
-        self.error, self.sent = error, []
+        self.error, self.sent, self.connected = error, [], False
 
     async def __aenter__(self):
+        self.connected = True
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -136,6 +137,14 @@ def test_missing_trace_for_lengths_says_so(embedded_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"request lengths \(--input-len with --output-len") as info:
         build_specs(args, Tokenizer.from_folder(embedded_dir), 4096, args.rate)
     assert "arrival times" not in str(info.value)
+
+
+def test_a_missing_trace_is_named_before_any_request(backend, tmp_path, capsys):
+    missing = str(tmp_path / "missing.csv")
+    assert main(["bench", "--router", "127.0.0.1:1", "--trace", missing, "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: trace '{missing}' is neither a file") and "arrival times" in err
+    assert not backend.sent and not backend.connected
 
 
 # --- 2. an unknown prompt set is refused before anything is read --------------------------------------
