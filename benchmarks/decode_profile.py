@@ -228,7 +228,8 @@ def use_kernels(args: argparse.Namespace) -> str:
             kernels.load_cpu_kernels().pdserve_set_amx_attention(0)
         except kernels.KernelUnavailable:
             pass
-    return f"linear kernel {args.linear_kernel}, AMX attention {args.amx_attention}"
+    amx = args.amx_attention if getattr(args, "dtype", "bfloat16") in ("bfloat16", "auto") else "n/a (bfloat16 only)"
+    return f"linear kernel {args.linear_kernel}, AMX attention {amx}"
 
 
 def main() -> None:

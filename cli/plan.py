@@ -67,7 +67,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--max-unit", type=positive_int, default=4, help="largest split unit p + d searched (at most 8)")
     p.add_argument("--local-prefill-tokens", type=int_list, default=(0, 32, 256), help="split: values searched")
     p.add_argument("--max-num-seqs", type=positive_int_list, default=(16, 64), help="values searched")
-    p.add_argument("--rates", type=float_list, default=None, help="sweep these rates (req/s per unit) instead")
+    p.add_argument(
+        "--rates",
+        type=float_list,
+        default=None,
+        help="sweep these rates instead, req/s per unit, in ascending order whatever order they are given in",
+    )
     p.add_argument("--max-probe-requests", type=positive_int, default=100, help="cap on the requests of one probe")
     p.add_argument("--search-steps", type=non_negative_int, default=4, help="bisections after bracketing the rate")
     add_worker_size_args(p)
