@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from peers_metrics import KEEP_UP, w2_summary
+from peers_probe import probe_note
 
 BUSY_NOTE_CORES = 0.3  # the report notes runs during which other work used more cores than this
 
@@ -196,6 +197,9 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
         parts += [f"Arrivals: {schedule}.", "", table(head, rows), ""]
         if busy:
             parts += ["Other work kept cores busy just before: " + ", ".join(busy) + " (cores).", ""]
+        drift = probe_note({system: per["probe"] for system, per in w2.items() if "probe" in per})
+        if drift:
+            parts += [" ".join(drift), ""]
         summ = w2_summary(w2)
         v = summ.get("vllm", {})
         rows = []

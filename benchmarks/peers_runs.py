@@ -11,6 +11,7 @@ from pathlib import Path
 
 from peers_env import pdserve_env, vllm_env
 from peers_metrics import w2_metrics
+from peers_probe import machine_probe
 from peers_processes import OtherLoad, busy_cores, run_logged, session_cpu_s, stop, stop_all, tail
 from peers_servers import WORKERS, bench_pdserve, bench_vllm, start_server, vllm_schedule
 
@@ -93,8 +94,12 @@ def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict
     systems = (["vllm"] if vllm_py else []) + [f"pdserve-{p}" for p in args.pdserve_placements]
     slo = SLO(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3)
     for system in systems:
-        per = results[system] = {"rates": {}}
-        print(f"W2 {system}: starting the server ({args.serve_dtype})...", flush=True)
+        per = results[system] = {"rates": {}, "probe": machine_probe()}  # before its server: the machine alone
+        print(
+            f"W2 {system}: machine probe {per['probe']['read_gbps']:.1f} GB/s, {per['probe']['bf16_tflops']:.2f} "
+            f"TFLOP/s (one thread); starting the server ({args.serve_dtype})...",
+            flush=True,
+        )
         t = time.monotonic()
         try:
             proc, port, log = start_server(system, args, model_dir, out, vllm_py)
