@@ -26,8 +26,9 @@ prompts can beat one decoding all of it (a 2-core AMX Xeon, W2 at 8 req/s: coloc
 
 An SLO move in one direction waits ``hold_s`` after one in the other, and an SLO move that undoes
 the one before it (the TPOT p90 was still over target after it) bars the move it undid for
-``learn_s``: the balancer tries each direction, keeps what met the target, and never flips
-between the two on a load that neither serves within it.
+``learn_s``, twice as long each further time: the balancer tries each direction, keeps what met
+the target, and on a load that neither serves within it (a model too slow for the TPOT target at
+any batch) switches ever more rarely.
 
 **Utilisation moves** balance the busier side, and only when it is hot (at least ``high``): with
 ``P`` prefill and ``D`` decode workers its utilisation is ``max(prefill work / P, decode side / D)``.
@@ -115,6 +116,7 @@ class RoleBalancer:
     _slo_split_s: float = field(default=float("-inf"), repr=False)
     _slo_merge_s: float = field(default=float("-inf"), repr=False)
     _barred: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> barred until (s)
+    _undone: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> times undone
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.margin < 1.0 and self.patience >= 1 and self.cooldown_s >= 0 and self.mix_cost >= 1.0):
@@ -192,8 +194,10 @@ class RoleBalancer:
                 if move.to_role == "prefill"
                 else (self._slo_split_s, self._slo_merge_s)
             )
-            if undone > same:  # it undoes the last SLO move: bar that one for learn_s
-                self._barred["decode" if move.to_role == "prefill" else "prefill"] = now_s + self.learn_s
+            if undone > same:  # it undoes the last SLO move: bar that one, twice as long each time
+                barred = "decode" if move.to_role == "prefill" else "prefill"
+                self._undone[barred] = self._undone.get(barred, 0) + 1
+                self._barred[barred] = now_s + self.learn_s * 2 ** (self._undone[barred] - 1)
             if move.to_role == "prefill":
                 self._slo_split_s = now_s
             else:

@@ -97,13 +97,14 @@ def test_slo_moves_on_a_load_neither_placement_serves_stop_flipping():
     b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=10.0, hold_s=60.0, learn_s=600.0)
     loads = SPLIT_SLOW
     switches = []
-    for t in range(0, 1200, 5):  # TPOT over target whatever the roles
+    for t in range(0, 4000, 5):  # TPOT over target whatever the roles
         move = b.observe(float(t), loads, tpot_p90_s=0.060)
         if move is not None:
-            switches.append(t)
+            switches.append((t, move.to_role))
             b.switched(float(t))
             loads = COLOCATED if move.to_role == "decode" else SPLIT_SLOW
-    assert switches == [0, 60, 660]  # each direction tried, then each barred for learn_s after it failed
+    # each direction tried, then barred after it failed, for 600 s and then twice as long each time
+    assert [s[0] for s in switches] == [0, 60, 660, 1260, 2460, 3660]
 
 
 def test_a_move_needs_patience_windows_in_a_row_and_then_a_cooldown():
