@@ -201,7 +201,7 @@ def cmd_bench(args) -> int:
     target = args.url if args.backend == "openai" else args.router
     host_port = f"{urlsplit(target).hostname}:0" if args.backend == "openai" and target else target
     if target and not is_loopback(host_port) and not args.allow_remote:
-        raise SystemExit(f"refusing to load-test non-loopback address {target} (pass --allow-remote)")
+        raise ValueError(f"refusing to load-test non-loopback address {target} (pass --allow-remote)")
     slo = slo_from_args(args)
     out = prepare_out_dir(args.out)  # before any request: a folder that cannot be written loses no run
 

@@ -80,7 +80,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix-aware")
     p.add_argument("--out", default=f"plan_results/{time.strftime('%Y%m%d-%H%M%S')}", help="results folder")
     add_workload_args(p)
-    add_slo_args(p)
+    add_slo_args(p, needed=True)
     p.set_defaults(func=cmd_plan)
 
 

@@ -101,10 +101,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 SLO_TOGETHER = "goodput counts the requests that meet both SLOs, so give both or neither"
 
 
-def add_slo_args(p: argparse.ArgumentParser) -> None:
-    """``--slo-ttft-ms`` and ``--slo-tpot-ms``; they go together (:func:`slo_from_args`)."""
-    p.add_argument("--slo-ttft-ms", type=positive_float, default=None, help=f"TTFT SLO, ms ({SLO_TOGETHER})")
-    p.add_argument("--slo-tpot-ms", type=positive_float, default=None, help=f"TPOT SLO, ms ({SLO_TOGETHER})")
+def add_slo_args(p: argparse.ArgumentParser, needed: bool = False) -> None:
+    """``--slo-ttft-ms`` and ``--slo-tpot-ms``; they go together (:func:`slo_from_args`). ``needed``:
+    the command refuses to run without them (its help says so; the caller checks)."""
+    why = "needed, both: goodput counts the requests that meet both SLOs" if needed else SLO_TOGETHER
+    p.add_argument("--slo-ttft-ms", type=positive_float, default=None, help=f"TTFT SLO, ms ({why})")
+    p.add_argument("--slo-tpot-ms", type=positive_float, default=None, help=f"TPOT SLO, ms ({why})")
 
 
 def slo_from_args(args) -> SLO | None:

@@ -285,6 +285,8 @@ def test_valid_urls_parse(url):
     assert _bench_args("bench", "--backend", "openai", "--url", url).url == url
 
 
-def test_a_valid_remote_url_still_needs_allow_remote(backend):
-    with pytest.raises(SystemExit, match="non-loopback address http://192.0.2.1:8000"):
-        main(["bench", "--backend", "openai", "--url", "http://192.0.2.1:8000"])
+def test_a_valid_remote_url_still_needs_allow_remote(backend, capsys):
+    assert main(["bench", "--backend", "openai", "--url", "http://192.0.2.1:8000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: refusing to load-test non-loopback address http://192.0.2.1:8000 (pass --allow-remote)"
+    assert not backend.sent and not backend.connected
