@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.models.blocks import Attention, Weights, attention_block, attention_tensor_names
+from pdserve.engine.models.decoder_stack import DecoderStack
 from pdserve.engine.models.linear import make_linear
 from pdserve.engine.models.ops import ElementwiseOps
 from pdserve.engine.models.rope import rope_parameters
@@ -69,6 +70,7 @@ class CausalLM:
         inv_freq, self.attention_scaling = rope_parameters(cfg)
         self.inv_freq = inv_freq.to(self.embed.device)
         self.lm_head = make_linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"], lm_head=True)
+        self.stack = DecoderStack.build(self)  # the layer loop in one C++ call, where it applies
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -103,6 +105,9 @@ class CausalLM:
         cos, sin = self._rope(positions, h.dtype)
         x = self.ops.add_rms_norm(h, None, self.first_norm, self.cfg.rms_norm_eps)
         hook = self.layer_hook
+        if hook is None and self.stack is not None and self.stack.takes(cos, meta, kv_cache):
+            self.stack(h, x, cos, sin, meta, kv_cache)
+            return x
         for i, (layer, cache, layer_meta) in enumerate(zip(self.layers, kv_cache, self.layer_metas(meta))):
             x = layer(h, x, cos, sin, layer_meta, cache)
             if hook is not None:

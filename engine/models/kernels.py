@@ -4,6 +4,7 @@
 bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE. ``csrc/quant_linear.cpp``: int8 and
 int4 weights times int8-quantized bfloat16 activations (AVX512-VNNI). ``csrc/dense_linear.cpp``:
 bfloat16 (AVX512-BF16) and float32 (AVX-512F) weights times activations of their dtype.
+``csrc/decoder_stack.cpp``: a Llama-style bfloat16 decoder stack through those kernels in one call.
 
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
 and ``-march=native`` into ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``);
@@ -36,6 +37,7 @@ _SOURCE_NAMES = (
     "dense_linear.cpp",
     "amx_linear.cpp",
     "amx_attention.cpp",
+    "decoder_stack.cpp",
 )
 SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
 HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h")

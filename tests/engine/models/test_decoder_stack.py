@@ -1,0 +1,64 @@
+"""The bfloat16 decoder stack in one C++ call (``engine/models/decoder_stack.py``) gives the layer
+loop's bits: the same greedy tokens on a mixed batch (prefill chunks and decode rows) of the
+embedded model, whose random weights leave many near-ties, so a single bit apart would show; and
+it steps aside where it does not apply."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.models.decoder_stack import ENV
+from pdserve.engine.models.kernels import KernelUnavailable, dense_linear, load_cpu_kernels
+from pdserve.engine.params import SamplingParams
+
+
+def _kernels_take_bf16() -> bool:
+    try:
+        load_cpu_kernels()
+    except KernelUnavailable:
+        return False
+    return dense_linear(torch.zeros(32, 64, dtype=torch.bfloat16), None) is not None
+
+
+needs_kernels = pytest.mark.skipif(not _kernels_take_bf16(), reason="no bf16 dense kernels on this CPU")
+
+
+def _run(monkeypatch, flag: str, **cfg) -> tuple[list[list[int]], LLMEngine]:
+    monkeypatch.setenv(ENV, flag)
+    engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_kv_blocks=256, **cfg))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(n)] for n in (5, 17, 40, 3, 120)]
+    return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24)), engine
+
+
+@needs_kernels
+@pytest.mark.parametrize("chunk", [None, 32])  # whole prompts, or chunks beside decode rows
+def test_the_stack_gives_the_layer_loops_tokens(monkeypatch, chunk):
+    cfg = {"max_num_batched_tokens": chunk} if chunk else {}
+    stacked, engine = _run(monkeypatch, "1", **cfg)
+    assert engine.runner.model.stack is not None and engine.runner.model.stack.calls >= 24
+    looped, other = _run(monkeypatch, "0", **cfg)
+    assert other.runner.model.stack is None
+    assert stacked == looped
+
+
+@needs_kernels
+def test_a_layer_hook_keeps_the_loop(monkeypatch):
+    """A prefill worker's hook sees every layer of a prefill step; the decode step takes the stack."""
+    monkeypatch.setenv(ENV, "1")
+    engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_kv_blocks=64))
+    seen = []
+    engine.runner.layer_hook = lambda batch, i, cache: seen.append(i)
+    engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert seen == list(range(len(engine.runner.model.layers))) and engine.runner.model.stack.calls == 1
+
+
+def test_float32_has_no_stack(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    engine = LLMEngine(EngineConfig(model="embedded", dtype="float32", num_kv_blocks=64))
+    assert engine.runner.model.stack is None
