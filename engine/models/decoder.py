@@ -105,8 +105,8 @@ class CausalLM:
         cos, sin = self._rope(positions, h.dtype)
         x = self.ops.add_rms_norm(h, None, self.first_norm, self.cfg.rms_norm_eps)
         hook = self.layer_hook
-        if hook is None and self.stack is not None and self.stack.takes(cos, meta, kv_cache):
-            self.stack(h, x, cos, sin, meta, kv_cache)
+        if self.stack is not None and self.stack.takes(cos, meta, kv_cache):
+            self.stack(h, x, cos, sin, meta, kv_cache, hook)
             return x
         for i, (layer, cache, layer_meta) in enumerate(zip(self.layers, kv_cache, self.layer_metas(meta))):
             x = layer(h, x, cos, sin, layer_meta, cache)

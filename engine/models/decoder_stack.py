@@ -6,8 +6,9 @@ Python and ctypes time was ~15 % of a decode step, docs/measurements.md). Same b
 Taken by ``CausalLM.forward`` when ``DecoderStack.build`` accepts the model: Llama-style layers
 (``PreNormLayer`` of an ``Attention`` without q/k norms and a ``GatedMLP``), every linear a
 ``DenseLinear`` (pdserve's AMX or AVX-512 bf16 kernel), the C++ elementwise ops and paged attention,
-one KV cache tensor; and per step, full-width RoPE and no layer hook (a prefill worker streams
-each layer's KV from the hook, so it keeps the loop). ``PDSERVE_DECODER_STACK=0`` turns it off.
+one cache per layer; and per step, full-width RoPE and one metadata for all layers. With a layer
+hook (a prefill worker streams each layer's KV from it) the layers run one C++ call each, the hook
+between them. ``PDSERVE_DECODER_STACK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -116,9 +117,12 @@ class DecoderStack:
             and all(c.is_contiguous() and c.shape == kv_cache[0].shape for c in kv_cache)
         )
 
-    def __call__(self, h: torch.Tensor, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache) -> None:
+    def __call__(
+        self, h: torch.Tensor, x: torch.Tensor, cos, sin, meta: AttentionMetadata, kv_cache, hook=None
+    ) -> None:
         """Run every layer on h and x ([rows, hidden], updated in place: x ends as the stack's output);
-        ``kv_cache``: each layer's cache, in layer order."""
+        ``kv_cache``: each layer's cache, in layer order. ``hook``: None, or called as ``hook(i,
+        kv_cache[i])`` right after layer i (``CausalLM.layer_hook``): the layers then run one call each."""
         rows = h.shape[0]
         scratch = {
             "qkv": torch.empty(rows, (self.heads + 2 * self.kv_heads) * self.head_dim, dtype=h.dtype),
@@ -140,5 +144,12 @@ class DecoderStack:
             meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
             *(scratch[name].data_ptr() for name in _SCRATCH),
         )  # fmt: skip
-        self._fn(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step))
+        layers = ctypes.addressof(self._layers)
+        if hook is None:
+            self._fn(layers, len(self._layers), ctypes.addressof(step))
+        else:
+            for i in range(len(self._layers)):
+                step.caches = ctypes.addressof(caches) + i * ctypes.sizeof(_P)
+                self._fn(layers + i * ctypes.sizeof(_Layer), 1, ctypes.addressof(step))
+                hook(i, kv_cache[i])
         self.calls += 1

@@ -48,14 +48,38 @@ def test_the_stack_gives_the_layer_loops_tokens(monkeypatch, chunk):
 
 
 @needs_kernels
-def test_a_layer_hook_keeps_the_loop(monkeypatch):
-    """A prefill worker's hook sees every layer of a prefill step; the decode step takes the stack."""
-    monkeypatch.setenv(ENV, "1")
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_a_layer_hook_sees_each_layers_kv_as_it_is_written(monkeypatch, flag):
+    """A prefill worker's hook runs right after each layer of a prefill step, with that layer's KV
+    already in the cache and the next layer's not yet: the same with the stack and with the loop."""
+    monkeypatch.setenv(ENV, flag)
     engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_kv_blocks=64))
-    seen = []
-    engine.runner.layer_hook = lambda batch, i, cache: seen.append(i)
+    caches, seen = engine.runner.layer_caches, []
+    before = [c.view(torch.int16).clone() for c in caches]  # bits: an unwritten cache may hold NaNs
+
+    def same(i: int) -> bool:
+        return torch.equal(caches[i].view(torch.int16), before[i])
+
+    def hook(batch, i, cache):
+        seen.append((i, cache.data_ptr() == caches[i].data_ptr(), not same(i), i + 1 == len(caches) or same(i + 1)))
+
+    engine.runner.layer_hook = hook
     engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=2))
-    assert seen == list(range(len(engine.runner.model.layers))) and engine.runner.model.stack.calls == 1
+    assert seen == [(i, True, True, True) for i in range(len(caches))]
+    assert engine.runner.model.stack is None or engine.runner.model.stack.calls == 2  # prefill and decode
+
+
+@needs_kernels
+def test_with_a_hook_the_stack_gives_the_loops_tokens(monkeypatch):
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ENV, flag)
+        engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_kv_blocks=256))
+        engine.runner.layer_hook = lambda batch, i, cache: None
+        rng = random.Random(1)
+        prompts = [[rng.randrange(1000) for _ in range(n)] for n in (7, 60, 33)]
+        runs.append(engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12)))
+    assert runs[0] == runs[1]
 
 
 def test_float32_has_no_stack(monkeypatch):
