@@ -207,13 +207,13 @@ class Simulator:
         w = r.worker.handle
         w.outstanding_prefill_tokens += n
         w.active_requests += 1
-        if rec.prefilled_on_decode:  # router/backends.py colocated_stream: its blocks until the next poll
-            w.routed_blocks_since_poll += -(-(n + 1) // w.block_size)
+        if rec.prefilled_on_decode:  # router/backends.py colocated_stream
+            w.routed(n + 1)
         if r.decode is not None:  # SplitBackend: index both, count decode's request and blocks
             pool.served(w, prompt)
             pool.served(r.decode.handle, prompt)
             r.decode.handle.active_requests += 1
-            r.decode.handle.routed_blocks_since_poll += -(-(n + 1) // r.decode.handle.block_size)
+            r.decode.handle.routed(n + 1)
             r.held = r.decode.engine.pin_prefix(rid, prompt)
             r.decode.awaiting_kv += 1
             if r.decode.busy and r.decode.clock.now_s > t:  # the pin runs between the decode worker's steps

@@ -108,7 +108,7 @@ async def colocated_stream(
     n = len(prompt)
     w.outstanding_prefill_tokens += n
     w.active_requests += 1
-    w.routed_blocks_since_poll += -(-(n + 1) // max(w.block_size, 1))  # until its next stats poll
+    w.routed(n + 1)
     t_send = time.monotonic_ns()
     channel_queue = w.tokens.subscribe(request_id)
     call = w.colocated.Generate(

@@ -34,10 +34,6 @@ CACHED_TOKENS_KEY = "x-pdserve-cached-tokens"  # decode_worker/worker.py: prompt
 log = logging.getLogger(__name__)
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // max(block_size, 1))
-
-
 def _worker_lost(exc: grpc.aio.AioRpcError) -> bool:
     """A worker went away or a KV push could not reach decode (UNAVAILABLE), or decode's wait
     for the KV ran out."""
@@ -142,7 +138,7 @@ class SplitBackend:
         prefill_w.outstanding_prefill_tokens += n
         prefill_w.active_requests += 1
         decode_w.active_requests += 1
-        decode_w.routed_blocks_since_poll += _blocks(n + 1, decode_w.block_size)
+        decode_w.routed(n + 1)
         channel_queue = decode_w.tokens.subscribe(request_id)
         decode_call = decode_w.decode.Decode(
             worker_pb2.DecodeRequest(

@@ -74,6 +74,11 @@ class WorkerHandle:
             await self.tokens.close()
         await self.channel.close()
 
+    def routed(self, tokens: int) -> None:
+        """A request whose KV will take ``tokens`` slots here was routed to this worker: its blocks
+        count against ``free_kv_blocks`` until the next stats poll sees them."""
+        self.routed_blocks_since_poll += -(-tokens // max(self.block_size, 1))
+
     def apply_stats(self, s: worker_pb2.WorkerStats) -> None:
         """Take an answered GetStats poll: healthy again, and its load as the worker reports it."""
         self.healthy, self.failed_polls = True, 0
