@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 PREFILL_FULL = 0.9  # a prefill side this busy is short of workers itself: no SLO merge takes one
 
 
@@ -113,8 +114,7 @@ class RoleBalancer:
     _streak: tuple[str, str] | None = field(default=None, repr=False)
     _count: int = field(default=0, repr=False)
     _last_switch_s: float = field(default=float("-inf"), repr=False)
-    _slo_split_s: float = field(default=float("-inf"), repr=False)
-    _slo_merge_s: float = field(default=float("-inf"), repr=False)
+    _slo_at: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> when it was last made (s)
     _barred: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> barred until (s)
     _undone: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> times undone
 
@@ -164,8 +164,8 @@ class RoleBalancer:
                 return Move(to_decode.address, "prefill", "decode", now, to_decode.predicted, "slo")
         if now < self.high:
             return None
-        options = [to_prefill] if to_prefill and now_s - self._slo_merge_s >= self.hold_s else []
-        if to_decode and not (p == 1 and now_s - self._slo_split_s < self.hold_s):
+        options = [to_prefill] if to_prefill and now_s - self._slo_time("decode") >= self.hold_s else []
+        if to_decode and not (p == 1 and now_s - self._slo_time("prefill") < self.hold_s):
             options.append(to_decode)
         best = min(options, key=lambda m: m.predicted, default=None)
         return best if best is not None and best.predicted < now - self.margin else None
@@ -189,25 +189,23 @@ class RoleBalancer:
             return None
         self._streak, self._count = None, 0
         if move.reason == "slo":
-            undone, same = (
-                (self._slo_merge_s, self._slo_split_s)
-                if move.to_role == "prefill"
-                else (self._slo_split_s, self._slo_merge_s)
-            )
-            if undone > same:  # it undoes the last SLO move: bar that one, twice as long each time
-                barred = "decode" if move.to_role == "prefill" else "prefill"
-                self._undone[barred] = self._undone.get(barred, 0) + 1
-                self._barred[barred] = now_s + self.learn_s * 2 ** (self._undone[barred] - 1)
-            if move.to_role == "prefill":
-                self._slo_split_s = now_s
-            else:
-                self._slo_merge_s = now_s
+            other = _OTHER_ROLE[move.to_role]
+            if self._slo_time(other) > self._slo_time(move.to_role):  # it undoes the last SLO move:
+                self._undone[other] = self._undone.get(other, 0) + 1  # bar that one, twice as long each time
+                self._barred[other] = now_s + self.learn_s * 2 ** (self._undone[other] - 1)
+            self._slo_at[move.to_role] = now_s
         return move
 
     def _slo_allowed(self, to_role: str, now_s: float) -> bool:
         """An SLO move to ``to_role``: not barred, and ``hold_s`` after an SLO move the other way."""
-        other = self._slo_merge_s if to_role == "prefill" else self._slo_split_s
-        return now_s >= self._barred.get(to_role, float("-inf")) and now_s - other >= self.hold_s
+        return (
+            now_s >= self._barred.get(to_role, float("-inf"))
+            and now_s - self._slo_time(_OTHER_ROLE[to_role]) >= self.hold_s
+        )
+
+    def _slo_time(self, to_role: str) -> float:
+        """When the last SLO move to ``to_role`` was made (-inf: never)."""
+        return self._slo_at.get(to_role, float("-inf"))
 
     def switched(self, now_s: float) -> None:
         """A switch ended at ``now_s`` (done or given up): the cooldown starts."""
