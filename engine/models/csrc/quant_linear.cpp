@@ -28,6 +28,9 @@
 // Blocks of 16 channels are split over `threads` OpenMP threads; each runs every row of x through its
 // block (8 rows a pass, their accumulators in registers) while the block's weights stay in the L1 cache.
 // A row of y depends on its own row of x only, so the result does not depend on the batch around it.
+// Each group prefetches the weights (and int4's scales) 4 KB ahead of it: the hardware prefetchers
+// alone streamed int4 weights at 6.7 GB/s where one thread reads 11.7 GB/s (SmolLM2's linears, batch
+// 1, DRAM-cold: 7.9 -> 5.9 ms; int8's 10.9 ms did not move).
 // Needs N % 16 == 0 and K % 32 == 0.
 
 #include <algorithm>
@@ -47,6 +50,7 @@ using pdserve::store_bf16x16;
 
 constexpr int kGroup = 32;       // inputs per activation scale (and per int4 weight scale)
 constexpr int kRowsPerPass = 8;  // rows of x whose accumulators one pass over a block keeps in registers
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of a group its weights are prefetched
 
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -111,6 +115,11 @@ void channel_block(const uint8_t* w, const void* scales, const Activations& a, u
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    const char* wg = reinterpret_cast<const char*>(w + (nb * G + g) * kGroupBytes);
+    for (int64_t c = 0; c < kGroupBytes; c += 64) _mm_prefetch(wg + kPrefetchBytes + c, _MM_HINT_T0);
+    if constexpr (Bits == 4)
+      _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(scales) + (nb * G + g) * 32) +
+                       kPrefetchBytes / 4, _MM_HINT_T0);
     __m512i d[M];
     group_dots<M, Bits>(w + (nb * G + g) * kGroupBytes, &a.xq[m0 * K + g * kGroup], K, d);
     __m512 s, z;
