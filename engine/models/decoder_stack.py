@@ -5,7 +5,8 @@ Python and ctypes time was ~15 % of a decode step, docs/measurements.md). Same b
 
 Taken by ``CausalLM.forward`` when ``DecoderStack.build`` accepts the model: Llama-style layers
 (``PreNormLayer`` of an ``Attention`` without q/k norms and a ``GatedMLP``), every linear a
-``DenseLinear`` (pdserve's AMX or AVX-512 bf16 kernel), the C++ elementwise ops and paged attention,
+``DenseLinear`` (pdserve's AMX or AVX-512 bf16 kernel) or an int8 / int4 linear on the VNNI kernel
+(``--quantization``, no bias), the C++ elementwise ops and paged attention,
 one cache per layer; and per step, full-width RoPE and one metadata for all layers. With a layer
 hook (a prefill worker streams each layer's KV from it) the layers run one C++ call each, the hook
 between them. ``PDSERVE_DECODER_STACK=0`` turns it off.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import torch
 
@@ -22,13 +24,14 @@ from pdserve.engine.models.attention import AttentionMetadata, CpuPagedAttention
 from pdserve.engine.models.blocks import Attention, GatedMLP
 from pdserve.engine.models.kernels import DenseLinear, KernelUnavailable, load_cpu_kernels
 from pdserve.engine.models.ops import CpuBf16Ops
+from pdserve.engine.models.quant import Int4Linear, Int8Linear
 
 ENV = "PDSERVE_DECODER_STACK"
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("fn", _P), ("packed", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("fn", _P), ("packed", _P), ("aux", _P), ("n", _I), ("k", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -62,8 +65,23 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def _linear(lin: DenseLinear) -> _Linear:
-    return _Linear(_address(lin.fn), lin._packed_ptr, lin._bias_ptr or 0, lin.out_features, lin.in_features)
+def _stackable(lin) -> bool:
+    """Whether the stack can call ``lin``'s kernel: a bfloat16 ``DenseLinear``, or an int8 / int4
+    linear without bias whose weight the VNNI kernel holds (``csrc/quant_linear.cpp``)."""
+    if type(lin) is DenseLinear:
+        return lin.dtype == torch.bfloat16
+    return type(lin) in (Int8Linear, Int4Linear) and lin._vnni is not None and lin.bias is None
+
+
+def _linear(lin) -> _Linear:
+    if type(lin) is DenseLinear:
+        return _Linear(_address(lin.fn), lin._packed_ptr, lin._bias_ptr or 0, lin.out_features, lin.in_features)
+    v = lin._vnni
+    return _Linear(_address(v.fn), v._packed_ptr, v._scales_ptr, lin.out_features, lin.in_features)
+
+
+def _linears(layer) -> tuple:
+    return layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down
 
 
 class DecoderStack:
@@ -83,6 +101,9 @@ class DecoderStack:
                 backend.scale, backend.softcap or 0.0, backend.window or 0,
             )  # fmt: skip
         self._keep = layers  # the weights the pointers above point into
+        # rows up to which every quantized linear's VNNI kernel runs a call (Int8Linear, Int4Linear)
+        quantized = [lin.vnni_rows for layer in layers for lin in _linears(layer) if type(lin) is not DenseLinear]
+        self.max_rows = min(quantized, default=sys.maxsize)
         self.calls = 0  # steps run through the stack
 
     @classmethod
@@ -96,8 +117,7 @@ class DecoderStack:
                 return None
             if type(attn.backend) is not CpuPagedAttention or attn.ops is not model.ops or mlp.ops is not model.ops:
                 return None
-            linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
-            if not all(type(lin) is DenseLinear and lin.dtype == torch.bfloat16 for lin in linears):
+            if not all(_stackable(lin) for lin in _linears(layer)):
                 return None
         try:
             lib = load_cpu_kernels()
@@ -108,10 +128,12 @@ class DecoderStack:
         return cls(lib, model.layers, shape, model.layers[0].eps)
 
     def takes(self, cos: torch.Tensor, meta, kv_cache) -> bool:
-        """Whether this step can run here: full-width RoPE, one metadata for every layer and one
-        contiguous cache per layer ([2, blocks, block_size, kv_heads, head_dim], all alike)."""
+        """Whether this step can run here: full-width RoPE, no more rows than the quantized linears'
+        kernels take (``max_rows``), one metadata for every layer and one contiguous cache per layer
+        ([2, blocks, block_size, kv_heads, head_dim], all alike)."""
         return (
             cos.shape[-1] == self.head_dim
+            and cos.shape[0] <= self.max_rows
             and isinstance(meta, AttentionMetadata)
             and len(kv_cache) == len(self._layers)
             and all(c.is_contiguous() and c.shape == kv_cache[0].shape for c in kv_cache)

@@ -119,6 +119,7 @@ class Int4Linear:
         self.group_size, self.bias, self.out_features = group_size, bias, weight.shape[0]
         self.cuda = weight.device.type == "cuda"
         n, k = weight.shape
+        self.in_features = k
         self._vnni = None
         if group_size == 32:  # the VNNI kernel's group
             self._vnni = vnni_linear(

@@ -6,8 +6,10 @@
 //   h += o; x = norm(h); h += down(silu(gate) * up)(x); x = next_norm(h)
 //
 // The linears and the attention are called through the function pointers the caller took from
-// this library (the AMX or AVX-512 linear its DenseLinear chose; the paged attention), so the
-// choices made per weight at load time hold here too.
+// this library (the AMX or AVX-512 linear its DenseLinear chose, or the int8 / int4 VNNI linear of a
+// quantized weight; the paged attention), so the choices made per weight at load time hold here too.
+// Every linear kernel takes (x, packed weight, aux, y, rows, n, k, threads), aux being the bias
+// (dense, null for none) or the scales (quantized), so one pointer type calls them all.
 #include <cstdint>
 
 extern "C" {
@@ -22,19 +24,18 @@ void pdserve_write_kv(char* cache, int64_t plane_bytes, const char* k, int64_t k
 
 namespace {
 
-using LinearFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t,
-                          int);
+using LinearFn = void (*)(const uint16_t*, const void*, const void*, uint16_t*, int64_t, int64_t, int64_t, int);
 using AttentionFn = void (*)(void*, const void*, const void*, const void*, const int32_t*, const int32_t*,
                              const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                              int64_t, float, int);
 
-struct Linear {  // y [M, n] = x [M, k] W^T + bias, W packed as DenseLinear packs it
+struct Linear {  // y [M, n] = x [M, k] W^T (+ bias), W packed as its Python linear packs it
   LinearFn fn;
-  const uint16_t* packed;
-  const uint16_t* bias;  // null: none
+  const void* packed;
+  const void* aux;  // the bias (null: none) or the scales, as fn takes them
   int64_t n, k;
   void operator()(const uint16_t* x, uint16_t* y, int64_t M, int threads) const {
-    fn(x, packed, bias, y, M, n, k, threads);
+    fn(x, packed, aux, y, M, n, k, threads);
   }
 };
 

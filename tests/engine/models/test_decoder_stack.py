@@ -86,3 +86,36 @@ def test_float32_has_no_stack(monkeypatch):
     monkeypatch.setenv(ENV, "1")
     engine = LLMEngine(EngineConfig(model="embedded", dtype="float32", num_kv_blocks=64))
     assert engine.runner.model.stack is None
+
+
+def _vnni_kernels() -> bool:
+    if not _kernels_take_bf16():
+        return False
+    return bool(load_cpu_kernels().pdserve_quant_linear_supported())
+
+
+@pytest.mark.skipif(not _vnni_kernels(), reason="no AVX512-VNNI kernels on this CPU")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_linears_run_in_the_stack_with_the_loops_tokens(monkeypatch, scheme):
+    """int8 / int4 weights on the VNNI kernel join the stack; their kernel's rows do not depend on
+    the batch around them, so the tokens are the loop's, chunked prefill beside decode rows too."""
+    cfg = {"quantization": scheme, "lm_head_quantization": scheme, "max_num_batched_tokens": 32}
+    stacked, engine = _run(monkeypatch, "1", **cfg)
+    stack = engine.runner.model.stack
+    assert stack is not None and stack.calls >= 24
+    assert stack.max_rows == engine.runner.model.layers[0].attn.qkv.vnni_rows
+    looped, other = _run(monkeypatch, "0", **cfg)
+    assert other.runner.model.stack is None
+    assert stacked == looped
+
+
+@pytest.mark.skipif(not _vnni_kernels(), reason="no AVX512-VNNI kernels on this CPU")
+def test_a_step_over_the_quantized_kernels_rows_takes_the_loop(monkeypatch):
+    """Calls over ``vnni_rows`` rows dequantize the weight in Python, which the stack cannot: a step
+    with more rows than ``max_rows`` runs the layer loop."""
+    monkeypatch.setenv(ENV, "1")
+    engine = LLMEngine(EngineConfig(model="embedded", dtype="bfloat16", num_kv_blocks=64, quantization="int8"))
+    stack = engine.runner.model.stack
+    stack.max_rows = 8
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(temperature=0.0, max_tokens=3))
+    assert stack.calls == 2  # the two decode steps; the 12-row prefill ran the loop
