@@ -5,6 +5,7 @@ bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE. ``csrc/quant_line
 int4 weights times int8-quantized bfloat16 activations (AVX512-VNNI). ``csrc/dense_linear.cpp``:
 bfloat16 (AVX512-BF16) and float32 (AVX-512F) weights times activations of their dtype.
 ``csrc/decoder_stack.cpp``: a Llama-style bfloat16 decoder stack through those kernels in one call.
+``csrc/argmax_bf16.cpp``: greedy sampling's argmax over bfloat16 logits.
 
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else ``g++``)
 and ``-march=native`` into ``$PDSERVE_CACHE_DIR/kernels`` (default ``~/.cache/pdserve/kernels``);
@@ -38,6 +39,7 @@ _SOURCE_NAMES = (
     "amx_linear.cpp",
     "amx_attention.cpp",
     "decoder_stack.cpp",
+    "argmax_bf16.cpp",
 )
 SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
 HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h")
@@ -57,6 +59,7 @@ _ELEMENTWISE_ARGS = {
     "pdserve_set_amx_attention": [_N],
     "pdserve_write_kv": [_P, _I, _P, _I, _P, _I, _P, _I, _I],
     "pdserve_gemma_rms_norm_bf16": [_P, _I, _P, _I, _P, _I, _I, _I, _F, _N],
+    "pdserve_argmax_bf16": [_P, _I, _I, _I, _P, _N],
 }
 ATTENTION_SYMBOLS = {
     "float32": "pdserve_paged_attention_f32",
@@ -212,3 +215,20 @@ def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinear
     if amx and not lib.pdserve_bf16_amx_linear_supported():
         return None
     return DenseLinear(lib.pdserve_bf16_amx_linear if amx else getattr(lib, symbol), weight, bias)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """The first index of each row's maximum of bfloat16 CPU logits [rows, vocab] (rows contiguous
+    along the vocabulary), as ``logits.max(dim=-1).indices`` gives it, through
+    ``csrc/argmax_bf16.cpp`` on ``torch.get_num_threads()`` threads; None for other logits or where
+    the kernels are unavailable (the caller keeps torch's)."""
+    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    try:
+        lib = load_cpu_kernels()
+    except KernelUnavailable:
+        return None
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.pdserve_argmax_bf16(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out.tolist()
