@@ -25,7 +25,7 @@
 // so a group of 16 channels costs 8 loads and 8 vpdpbusd (int8), or 4 loads, 12 integer instructions and
 // 8 vpdpbusd (int4: the low and high nibbles of one load feed two), per row of x.
 //
-// int8 calls of 16 rows or more run AMX tiles where the CPU has AMX-INT8 (amx_int8_linear below), with
+// Calls of 16 rows or more run AMX tiles where the CPU has AMX-INT8 (amx_linear below), with
 // the same bits.
 //
 // Blocks of 16 channels are split over `threads` OpenMP threads; each runs every row of x through its
@@ -154,15 +154,16 @@ void channel_block(const uint8_t* w, const void* scales, const Activations& a, u
 
 #if defined(PDSERVE_AMX) && defined(__AMX_INT8__)
 #define PDSERVE_AMX_INT8 1
-// int8 on AMX tiles (tdpbsud: signed x times unsigned weights), for calls of kAmxMinRows rows or more.
-// The packed int8 block of one group, [8, 16, 4] uint8, is the B tile of a 32-input step as it lies
-// (8 rows of 64 bytes); xq's 16 rows x 32 inputs of that group are the A tile. Each group's int32
-// product goes through the same float32 steps as the VNNI path above (minus 128 xs, times sx, added
-// to the accumulator; times sw at the end), so a row gets the same bits on either path. Tiles 0-1:
-// A, 2-3: B, 4-5: C, alternating between groups: the next group's tile work is issued before this
-// group's scaling. One thread, SmolLM2's 3,072 x 576 weight in cache: 16 rows 203 us against 258 on
-// the VNNI path, 32 rows 372 against 458; AMX's bfloat16 tiles over the bf16 weight took 235 and 263
-// us, a group's product and scaling costing more than a bf16 tile step over 32 inputs.
+// int8 and int4 on AMX tiles (tdpbsud: signed x times unsigned weights), for calls of kAmxMinRows rows
+// or more. The packed int8 block of one group, [8, 16, 4] uint8, is the B tile of a 32-input step as
+// it lies (8 rows of 64 bytes); int4's is unpacked to that form, one block of 16 channels at a time,
+// its values 0-15. xq's 16 rows x 32 inputs of that group are the A tile. Each group's int32 product
+// goes through the same float32 steps as the VNNI path above, so a row gets the same bits on either
+// path. Tiles 0-1: A, 2-3: B, 4-5: C, alternating between groups: the next group's tile work is issued before
+// this group's scaling. One thread, SmolLM2's weights in cache, us a call at 16 / 32 / 256 rows:
+// int8 3,072 x 576 203 / 372 / 2,706 against 258 / 458 / 3,193 on the VNNI path; int4 246 / 434 /
+// 3,025 against 245 / 489 / 4,074. AMX's bfloat16 tiles over the bf16 weight took 235 / 263 / 994:
+// a group's product and scaling cost more than a bf16 tile step over 32 inputs.
 constexpr int64_t kAmxMinRows = 16;
 
 constexpr pdserve::TileConfig int8_tiles() {
@@ -185,8 +186,11 @@ constexpr pdserve::TileConfig int8_tiles() {
     _tile_stored(C, c, 64);                         \
   } while (0)
 
-void amx_int8_block(const uint8_t* w, const float* sw, const Activations& a, uint16_t* y, int64_t M, int64_t N,
-                    int64_t K, int64_t nb, int64_t m0) {
+// Rows m0 .. m0 + 16 of y for the 16 channels of block nb; wb: the block's B tiles, one of 512 bytes
+// per group (int8's packed block as it lies, int4's unpacked by unpack_int4_block).
+template <int Bits>
+void amx_block(const uint8_t* wb, const void* scales, const Activations& a, uint16_t* y, int64_t M, int64_t N,
+               int64_t K, int64_t nb, int64_t m0) {
   const int64_t G = K / kGroup;
   alignas(64) int32_t c[2][16 * 16];
   __m512 acc[16];  // all 16 rows, those past M zero, so that the loops unroll and acc stays in registers
@@ -195,36 +199,69 @@ void amx_int8_block(const uint8_t* w, const float* sw, const Activations& a, uin
   const int32_t* xs = &a.xs[m0 * G];
   const auto product = [&](int64_t g) {
     const int8_t* xg = &a.xq[m0 * K + g * kGroup];
-    const uint8_t* wg = w + (nb * G + g) * 512;
-    if (g % 2 == 0) PDSERVE_GROUP_PRODUCT(0, 2, 4, xg, K, wg, c[0]);
-    else PDSERVE_GROUP_PRODUCT(1, 3, 5, xg, K, wg, c[1]);
+    if (g % 2 == 0) PDSERVE_GROUP_PRODUCT(0, 2, 4, xg, K, wb + g * 512, c[0]);
+    else PDSERVE_GROUP_PRODUCT(1, 3, 5, xg, K, wb + g * 512, c[1]);
   };
   product(0);
   for (int64_t g = 0; g < G; ++g) {  // the next group's tile work is issued before this group's scaling
     if (g + 1 < G) product(g + 1);
     const int32_t* cg = c[g % 2];
+    __m512 s, z;
+    if constexpr (Bits == 4) {
+      const uint16_t* szg = static_cast<const uint16_t*>(scales) + (nb * G + g) * 32;
+      s = load_bf16x16(szg), z = load_bf16x16(szg + 16);
+    }
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512i d = _mm512_sub_epi32(_mm512_load_si512(cg + 16 * r), _mm512_set1_epi32(128 * xs[r * G + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx[r * G + g]), acc[r]);
+    for (int r = 0; r < 16; ++r) {  // channel_block's float32 steps, in its order
+      const float sxr = sx[r * G + g];
+      const int32_t xsr = xs[r * G + g];
+      const __m512i d = _mm512_sub_epi32(_mm512_load_si512(cg + 16 * r), _mm512_set1_epi32((Bits == 4 ? 8 : 128) * xsr));
+      if constexpr (Bits == 4) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s, _mm512_set1_ps(sxr)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sxr * static_cast<float>(xsr)), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sxr), acc[r]);
+      }
     }
   }
-  const __m512 s = _mm512_loadu_ps(sw + nb * 16);
+  if constexpr (Bits == 8) {
+    const __m512 sw = _mm512_loadu_ps(static_cast<const float*>(scales) + nb * 16);
+    for (auto& v : acc) v = _mm512_mul_ps(v, sw);
+  }
   const int64_t rows = std::min<int64_t>(16, M - m0);
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r)
-    if (r < rows) store_bf16x16(y + (m0 + r) * N + nb * 16, _mm512_mul_ps(acc[r], s));
+    if (r < rows) store_bf16x16(y + (m0 + r) * N + nb * 16, acc[r]);
 }
 
-void amx_int8_linear(const Activations& a, const uint8_t* w, const float* sw, uint16_t* y, int64_t M, int64_t N,
-                     int64_t K, int threads) {
+// int4's packed block of 16 channels, [G, 4, 16, 4] bytes of two nibbles, as G B tiles [8, 16, 4] of
+// values 0-15: rows 0-3 the low nibbles (inputs 0-15 of the group), rows 4-7 the high ones.
+void unpack_int4_block(const uint8_t* w, int64_t G, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(w + g * 256 + p * 64);
+      _mm512_store_si512(out + g * 512 + p * 64, _mm512_and_si512(v, low));
+      _mm512_store_si512(out + g * 512 + (p + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+template <int Bits>
+void amx_linear(const Activations& a, const uint8_t* w, const void* scales, uint16_t* y, int64_t M, int64_t N,
+                int64_t K, int threads) {
+  const int64_t G = K / kGroup;
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) static constexpr pdserve::TileConfig kConfig = int8_tiles();
     _tile_loadconfig(&kConfig);
+    std::vector<uint8_t> unpacked(Bits == 4 ? G * 512 + 64 : 0);
+    uint8_t* ub = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) / 64 * 64);
 #pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < N / 16; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += 16) amx_int8_block(w, sw, a, y, M, N, K, nb, m0);
+    for (int64_t nb = 0; nb < N / 16; ++nb) {
+      const uint8_t* wb = w + nb * G * 16 * kGroup * Bits / 8;
+      if constexpr (Bits == 4) unpack_int4_block(wb, G, ub), wb = ub;
+      for (int64_t m0 = 0; m0 < M; m0 += 16) amx_block<Bits>(wb, scales, a, y, M, N, K, nb, m0);
+    }
     _tile_release();
   }
 }
@@ -235,8 +272,8 @@ void linear(const uint16_t* x, const uint8_t* w, const void* scales, uint16_t* y
             int threads) {
   const Activations a(x, M, K);
 #if defined(PDSERVE_AMX_INT8)
-  if (Bits == 8 && M >= kAmxMinRows && pdserve::amx_granted()) {
-    amx_int8_linear(a, w, static_cast<const float*>(scales), y, M, N, K, threads);
+  if (M >= kAmxMinRows && pdserve::amx_granted()) {
+    amx_linear<Bits>(a, w, scales, y, M, N, K, threads);
     return;
   }
 #endif

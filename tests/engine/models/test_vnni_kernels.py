@@ -56,7 +56,7 @@ def test_kernel_matches_the_dequantized_weight(scheme, shape, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # 8 rows a pass: whole passes and a rest; from 16 rows int8 runs AMX tiles where the CPU has them
+        # 8 rows a pass: whole passes and a rest; from 16 rows AMX tiles where the CPU has them
         for rows in [1, 2, 3, 7, 8, 9, 16, 17, 40]:
             x = torch.randn(rows, shape[1], generator=g).bfloat16()
             x[:, 3] *= 30  # an outlier input: only its own group's scale coarsens
@@ -72,7 +72,7 @@ def test_kernel_matches_the_dequantized_weight(scheme, shape, threads):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_row_does_not_depend_on_the_batch(scheme):
-    """19 rows: int8 runs them on AMX tiles where the CPU has them, each row alone on AVX512-VNNI."""
+    """19 rows run on AMX tiles where the CPU has them, each row alone on AVX512-VNNI."""
     lin, g = _linear(scheme, (208, 1536))
     x = torch.randn(19, 1536, generator=g).bfloat16()
     whole = lin(x)
