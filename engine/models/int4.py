@@ -39,10 +39,11 @@ INT4_INNER_K_TILES = 8  # CUDA tinygemm's tiling of K; needs in_features % (8 * 
 TORCH_KERNEL_MAX_ROWS = 48
 # Rows up to which csrc/quant_linear.cpp runs (int8 and int4) on a CPU with AMX, where the weight
 # dequantized for the call and AMX's bfloat16 GEMM win on larger calls. Measured on SmolLM2's shapes
-# (2-core Xeon with AMX, 2 threads, docs/measurements.md): the kernels were 1.2-1.5x faster at 256
-# rows and met the dequantized GEMM at 300-400 rows. Without AMX the kernels take every call: on
-# SmolLM2's shapes they beat even the plain bfloat16 GEMM at 2,048 rows (AMD EPYC, AVX512-BF16).
-AMX_VNNI_MAX_ROWS = 256
+# with the kernel's AMX-INT8 path (2-core Xeon with AMX, 2 threads, docs/measurements.md): the kernel
+# took 0.5x the dequantized GEMM's time at 256 rows, 0.95-0.98x at 512 and 1.1-1.6x at 1,024. Without
+# AMX the kernels take every call: on SmolLM2's shapes they beat even the plain bfloat16 GEMM at 2,048
+# rows (AMD EPYC, AVX512-BF16).
+AMX_VNNI_MAX_ROWS = 512
 
 
 def vnni_max_rows() -> int:
