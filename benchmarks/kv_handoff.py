@@ -176,6 +176,7 @@ def engine_config(dtype: str, max_len: int, args) -> EngineConfig:
         max_num_seqs=4,
         torch_threads=args.threads,
         kv_stream="whole",  # the hand-off timed here (benchmarks/kv_stream.py compares it with "layer")
+        enable_prefix_caching=False,  # the prefill repeats one prompt: each must compute it all
     )
 
 
