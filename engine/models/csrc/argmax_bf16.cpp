@@ -7,18 +7,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float bf(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using pdserve::bf;
 
 #if defined(__AVX512F__)
 // Lanes j .. j + 15 of x as float32 (past `cols`: -inf), and which of them were loaded.

@@ -14,12 +14,7 @@
 
 namespace {
 
-inline float bf(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using pdserve::bf;
 
 inline uint16_t to_bf(float x) {  // round to nearest even, NaN kept
   uint32_t u;

@@ -9,6 +9,14 @@
 
 namespace pdserve {
 
+// One bfloat16 (its bits) as float32: exact.
+inline float bf(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // e^x within 2 ulp over the float range (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6
 // polynomial for e^r, then scaled by 2^n). x is clamped to [-87.3, 88.3], so e^-inf gives 1e-38,
 // not 0: callers only multiply by it.
