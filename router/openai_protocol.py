@@ -10,6 +10,7 @@ for HTTP and gRPC alike, whose errors name the fields as this API calls them (``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +20,7 @@ from pdserve.v1 import generate_pb2
 
 PB = generate_pb2
 UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the sampling message's floats are float32: larger finite values would read inf
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context window
 
 
@@ -105,6 +107,11 @@ class _Common(BaseModel):
                     f"leave it out or send {neutral}",
                     field,
                 )
+        for field in ("temperature", "top_p"):
+            value = getattr(self, field)
+            if value is not None and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+                message = f"{field} {value!r} is out of range: sampling values are float32 (at most 3.4e38)"
+                raise BadRequest(message, field)
         sampling = PB.SamplingParams()
         if self.temperature is not None:
             sampling.temperature = self.temperature

@@ -157,7 +157,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_STREAMS,
         help="how a prefill worker hands the KV to decode: whole = one frame after the prefill; "
         "layer = each layer's KV as soon as the prefill computed it, so the transfer overlaps the "
-        "prefill (docs/architecture.md#layer-by-layer)",
+        f"prefill (docs/architecture.md#layer-by-layer); default {DEFAULT_KV_STREAM}",
     )
     parser.add_argument(
         "--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU per worker, else cpu"

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.embedded import resolve_embedded
-from pdserve.engine.models.gguf import resolve_gguf
+from pdserve.engine.models.gguf import GEMMA3, SMOLLM2, resolve_gguf
 from pdserve.engine.models.registry import family_module
 
 _HUB_FILES = [
@@ -44,7 +44,10 @@ def resolve_model_dir(model: str | None) -> Path:
     if path.is_dir():
         return path.resolve()
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model {model!r} is not a folder and not a Hugging Face hub id (owner/name)")
+        raise FileNotFoundError(
+            f"model {model!r} is not a folder and not a Hugging Face hub id (owner/name); the built-in names are "
+            f"embedded, embedded:<preset>, {SMOLLM2} and {GEMMA3}, and a path to a *.gguf file is read too"
+        )
     from huggingface_hub import snapshot_download
 
     try:

@@ -150,8 +150,8 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, scheme: st
     if weight.device.type == "cpu" and weight.dtype != torch.bfloat16 and not _warned:
         _warned.append(True)
         log.warning(
-            "--quantization %s with %s activations: the CPU kernels are fast with bfloat16 only (float32 "
-            "measured slower than the unquantized float32 GEMM, docs/models.md#quantization); pass --dtype bfloat16",
+            "%s weights with %s activations: the CPU kernels are fast with bfloat16 activations only (float32 and "
+            "float16 measured slower than without quantization, docs/models.md#quantization); pass --dtype bfloat16",
             scheme,
             weight.dtype,
         )

@@ -244,3 +244,10 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(field, valu
 def test_their_neutral_values_are_accepted(field, value):
     req = CompletionRequest(prompt="hi", **{field: value}).to_generate_request()
     assert req.prompt == "hi"
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_finite_value_beyond_float32_is_named_not_read_as_inf(field):
+    with pytest.raises(BadRequest, match=rf"{field} 1e\+308 is out of range: sampling values are float32") as info:
+        parse(CompletionRequest, {"prompt": "hi", field: 1e308})._generate_request(prompt_token_ids=[1])
+    assert info.value.param == field

@@ -39,3 +39,9 @@ def test_bad_gguf_specs_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_gguf(str(tmp_path / "missing.gguf"))
     assert resolve_gguf("embedded") is None and resolve_gguf(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("name", ["nosuchmodel", "SmolLM2-135M"])
+def test_an_unknown_name_is_told_the_built_in_names(name):
+    with pytest.raises(FileNotFoundError, match="built-in names are embedded, embedded:<preset>, smollm2-135m and"):
+        resolve_model_dir(name)
