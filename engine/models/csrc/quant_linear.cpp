@@ -77,15 +77,18 @@ void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* sx, int32_t* 
   }
 }
 
-struct Activations {  // x quantized: xq [M, K], sx and xs [M, K / 32], each with zero rows up to a multiple of 16
+// x quantized: xq [rows, K], sx and xs [rows, K / 32]; rows = M, or M rounded up to a multiple of 16
+// for the AMX tiles (`padded`), the rows past M zero.
+struct Activations {
   std::vector<int8_t> xq;
   std::vector<float> sx;
   std::vector<int32_t> xs;
-  Activations(const uint16_t* x, int64_t M, int64_t K)
-      : xq((M + 15) / 16 * 16 * K), sx((M + 15) / 16 * 16 * K / kGroup), xs((M + 15) / 16 * 16 * K / kGroup) {
+  Activations(const uint16_t* x, int64_t M, int64_t K, bool padded)
+      : xq(rows(M, padded) * K), sx(rows(M, padded) * K / kGroup), xs(rows(M, padded) * K / kGroup) {
     const int64_t G = K / kGroup;
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, &xq[m * K], &sx[m * G], &xs[m * G]);
   }
+  static int64_t rows(int64_t M, bool padded) { return padded ? (M + 15) / 16 * 16 : M; }
 };
 
 // The group's int32 dots of 16 channels with M rows of xq (rows at xg, stride K): two chains of 4
@@ -270,13 +273,13 @@ void amx_linear(const Activations& a, const uint8_t* w, const void* scales, uint
 template <int Bits>
 void linear(const uint16_t* x, const uint8_t* w, const void* scales, uint16_t* y, int64_t M, int64_t N, int64_t K,
             int threads) {
-  const Activations a(x, M, K);
 #if defined(PDSERVE_AMX_INT8)
   if (M >= kAmxMinRows && pdserve::amx_granted()) {
-    amx_linear<Bits>(a, w, scales, y, M, N, K, threads);
+    amx_linear<Bits>(Activations(x, M, K, true), w, scales, y, M, N, K, threads);
     return;
   }
 #endif
+  const Activations a(x, M, K, false);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t nb = 0; nb < N / 16; ++nb) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
