@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="W2 request rates, req/s, comma-separated (default 1,2,4,8)",
     )
     p.add_argument("--num-requests", type=_positive(int), default=50, help="W2 requests per rate (default 50)")
+    p.add_argument(
+        "--rounds",
+        type=_positive(int),
+        default=1,
+        help="W2 sweeps, the systems in turn and their order reversed every other round (ABBA), so a "
+        "machine that drifts meets each system at the same mean time; figures pool the rounds (default 1)",
+    )
     p.add_argument("--slo-ttft-ms", type=_positive(float), default=400.0, help="W2 TTFT SLO (default 400)")
     p.add_argument("--slo-tpot-ms", type=_positive(float), default=40.0, help="W2 TPOT SLO (default 40)")
     p.add_argument("--seed", type=int, default=0, help="W1 prompts; W2 arrivals and prompts (default 0)")

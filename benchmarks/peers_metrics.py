@@ -101,6 +101,28 @@ def w2_metrics(records: list[RequestRecord], client_duration_s: float, slo: SLO)
     return out
 
 
+def pooled_metrics(runs: list[tuple[list[RequestRecord], float]], slo: SLO, last: dict | None = None) -> dict:
+    """One rate's figures over several rounds, each ``(records, client duration s)``: the latency
+    percentiles and SLO attainment of all their requests together, goodput and throughput per second
+    of the rounds' summed durations, ``offered_rps`` / ``completion_rps`` the rounds' mean,
+    ``sustained`` only when every round was, and ``goodput_by_round_rps`` each round's own goodput.
+    ``last`` carries the latest round's extra keys (CPU per token, busy cores, the client's figures)."""
+    each = [w2_metrics(records, duration, slo) for records, duration in runs]
+    records = [r for rs, _ in runs for r in rs]
+    out = {**(last or {}), **summarize(records, slo, duration_s=sum(m["duration_s"] for m in each))}
+    ok = [r for r in records if r.ok]
+    out.update(
+        client_duration_s=sum(m["client_duration_s"] for m in each),
+        offered_rps=_mean([m["offered_rps"] for m in each]),
+        completion_rps=_mean([m["completion_rps"] for m in each]),
+        sustained=all(m["sustained"] for m in each),
+        input_tokens_mean=_mean([r.prompt_tokens for r in ok]),
+        output_tokens_mean=_mean([r.output_tokens for r in ok]),
+        goodput_by_round_rps=[m["goodput_rps"] for m in each],
+    )
+    return out
+
+
 def saturation(per_rate: dict) -> tuple[float, str] | None:
     """(rate, qualifier): the highest swept rate sustained below the first one that is not.
     "=" found, ">=" every rate sustained, "<" not even the lowest; None without figures."""

@@ -130,7 +130,12 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
         parts += [
             f"## W2 serving: {args.input_len} in / {args.output_len} out, Poisson, {args.num_requests} "
             f"requests per rate, {args.serve_dtype}, stream interval {args.stream_interval}; "
-            f"SLO TTFT <= {args.slo_ttft_ms:g} ms, "
+            + (
+                f"{args.rounds} rounds in ABBA order, figures pooled over them (goodput of each round in brackets); "
+                if getattr(args, "rounds", 1) > 1
+                else ""
+            )
+            + f"SLO TTFT <= {args.slo_ttft_ms:g} ms, "
             f"TPOT <= {args.slo_tpot_ms:g} ms",
             "",
         ]
@@ -167,7 +172,12 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
                         f(mm["input_tokens_mean"], 1),
                         f(mm["output_tokens_mean"], 1),
                         f(mm["request_throughput_rps"]),
-                        f(mm["goodput_rps"]),
+                        f(mm["goodput_rps"])
+                        + (
+                            f" ({', '.join(f(g) for g in mm['goodput_by_round_rps'])})"
+                            if "goodput_by_round_rps" in mm
+                            else ""
+                        ),
                         f"{mm['slo_attainment'] * 100:.0f}%",
                         *(f(ms(mm[f"{key}_s"]), digits) for key, digits in W2_MS.items()),
                         "yes" if mm["sustained"] else "no",
@@ -197,7 +207,7 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
         parts += [f"Arrivals: {schedule}.", "", table(head, rows), ""]
         if busy:
             parts += ["Other work kept cores busy just before: " + ", ".join(busy) + " (cores).", ""]
-        drift = probe_note({system: per["probe"] for system, per in w2.items() if "probe" in per})
+        drift = probe_note(round_probes(w2))
         if drift:
             parts += [" ".join(drift), ""]
         summ = w2_summary(w2)
@@ -241,3 +251,14 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
         ]
     parts += [f"raw: {out}/peers.json, {out}/w1/, {out}/w2/, logs in {out}/logs/", ""]
     return "\n".join(parts)
+
+
+def round_probes(w2: dict) -> dict[str, dict[str, float]]:
+    """Every machine probe of a W2 run by system, and by round when there were several
+    ("pdserve-auto (round 2)")."""
+    out = {}
+    for system, per in w2.items():
+        probes = per.get("probes") or ([per["probe"]] if "probe" in per else [])
+        for i, probe in enumerate(probes):
+            out[system + (f" (round {i + 1})" if len(probes) > 1 else "")] = probe
+    return out

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from peers_env import pdserve_env, vllm_env
-from peers_metrics import w2_metrics
+from peers_metrics import pooled_metrics, w2_metrics
 from peers_probe import machine_probe
 from peers_processes import OtherLoad, busy_cores, run_logged, session_cpu_s, stop, stop_all, tail
 from peers_servers import WORKERS, bench_pdserve, bench_vllm, start_server, vllm_schedule
@@ -90,66 +90,92 @@ def run_w1(args, model_dir: Path, out: Path, vllm_py: Path | None, rows: list[di
 
 
 def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict) -> dict:
-    """Fill ``results`` per system and rate (so an interrupted run keeps what finished)."""
+    """Fill ``results`` per system and rate (so an interrupted run keeps what finished).
+
+    With ``args.rounds`` > 1 the sweep runs that many times, the systems in turn and the order
+    reversed every other round (ABBA), so a machine that drifts over the run meets every system at
+    about the same mean time. ``results[system]["rates"][rate]`` then pools every round's requests
+    (:func:`peers_metrics.pooled_metrics`) and ``results[system]["rounds"]`` keeps each round's own."""
     systems = (["vllm"] if vllm_py else []) + [f"pdserve-{p}" for p in args.pdserve_placements]
     slo = SLO(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3)
-    for system in systems:
-        per = results[system] = {"rates": {}, "probe": machine_probe()}  # before its server: the machine alone
-        print(
-            f"W2 {system}: machine probe {per['probe']['read_gbps']:.1f} GB/s, {per['probe']['bf16_tflops']:.2f} "
-            f"TFLOP/s (one thread); starting the server ({args.serve_dtype})...",
-            flush=True,
-        )
-        t = time.monotonic()
-        try:
-            proc, port, log = start_server(system, args, model_dir, out, vllm_py)
-        except RuntimeError as exc:
-            per["error"] = f"server failed to start: {exc}"
-            print(f"  {per['error']}", flush=True)
-            stop_all()
-            continue
-        per["start_s"] = time.monotonic() - t
-        print(f"  ready on 127.0.0.1:{port} in {per['start_s']:.0f}s", flush=True)
-        try:
-            for i, rate in enumerate(args.rates):
-                run_dir = out / "w2" / system / f"rate_{rate:g}"
-                busy_before = busy_cores()  # the server idles now: this is everything else on the machine
-                cpu_before = session_cpu_s(proc.pid)
-                try:
-                    if system == "vllm":
-                        records, duration, reported = bench_vllm(args, model_dir, port, rate, run_dir, vllm_py)
-                    else:
-                        records, duration, reported = bench_pdserve(args, model_dir, port, rate, run_dir, warm=i > 0)
-                except RuntimeError as exc:
-                    per["rates"][f"{rate:g}"] = {"error": str(exc)}
-                    print(f"  {rate:g} req/s failed: {exc}", flush=True)
-                    continue
-                m = per["rates"][f"{rate:g}"] = w2_metrics(records, duration, slo)
-                m["busy_cores_before"], m["client_reported"] = busy_before, reported  # the client's own figures
-                m["cpu_ms_per_output_token"] = cpu_per_token(cpu_before, session_cpu_s(proc.pid), records)
-                planned = vllm_schedule(rate, args.num_requests, args.seed)
-                if args.schedule == "shared" or system == "vllm":  # how far the sends were from the shared plan
-                    sent = sorted(r.sent_s for r in records)
-                    m["send_vs_schedule_max_ms"] = max(abs(a - sent[0] - b) for a, b in zip(sent, planned)) * 1e3
-                    if m["send_vs_schedule_max_ms"] > 100:
-                        print(
-                            f"  warning: sends were up to {m['send_vs_schedule_max_ms']:.0f} ms off the shared "
-                            f"schedule",
-                            flush=True,
-                        )
-                print(
-                    f"  rate_rps {rate:g}: request_throughput_rps {m['request_throughput_rps']:.2f}, goodput_rps "
-                    f"{m['goodput_rps']:.2f}, ttft_p90_ms {m['ttft_p90_s'] * 1e3:.0f}, tpot_p90_ms "
-                    f"{m['tpot_p90_s'] * 1e3:.1f}, "
-                    f"failed {m['failed']}",
-                    flush=True,
-                )
-                cpu = m["cpu_ms_per_output_token"]
-                by_kind = ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
-                print(f"    server CPU ms per output token: {by_kind}", flush=True)
-        finally:
-            stop(proc)
+    runs: dict[tuple[str, str], list] = {}  # (system, rate) -> [(records, client duration)] by round
+    for r in range(args.rounds):
+        for system in round_order(systems, r):
+            per = results.setdefault(system, {"rates": {}, "rounds": [], "probes": []})
+            _run_system(args, model_dir, out, vllm_py, system, r, per, runs, slo)
     return results
+
+
+def round_order(systems: list[str], round_index: int) -> list[str]:
+    """The systems in the order round ``round_index`` (from 0) runs them: as given in even rounds,
+    reversed in odd ones (A B C, C B A, A B C, ...)."""
+    return list(systems) if round_index % 2 == 0 else list(reversed(systems))
+
+
+def _run_system(args, model_dir, out, vllm_py, system, round_index, per, runs, slo) -> None:
+    """Start ``system``'s server, run every rate of round ``round_index`` (from 0) against it, stop it."""
+    per["probes"].append(machine_probe())  # before its server: the machine alone
+    per["probe"] = per["probes"][0]
+    figures = {}
+    per["rounds"].append(figures)
+    label = f"W2 {system}" + (f", round {round_index + 1} of {args.rounds}" if args.rounds > 1 else "")
+    print(
+        f"{label}: machine probe {per['probes'][-1]['read_gbps']:.1f} GB/s, "
+        f"{per['probes'][-1]['bf16_tflops']:.2f} TFLOP/s (one thread); starting the server ({args.serve_dtype})...",
+        flush=True,
+    )
+    t = time.monotonic()
+    try:
+        proc, port, log = start_server(system, args, model_dir, out, vllm_py)
+    except RuntimeError as exc:
+        per["error"] = f"server failed to start: {exc}"
+        print(f"  {per['error']}", flush=True)
+        stop_all()
+        return
+    per.setdefault("start_s", time.monotonic() - t)
+    print(f"  ready on 127.0.0.1:{port} in {time.monotonic() - t:.0f}s", flush=True)
+    try:
+        for i, rate in enumerate(args.rates):
+            key = f"{rate:g}"
+            run_dir = out / "w2" / system / (f"round_{round_index + 1}" if args.rounds > 1 else "") / f"rate_{key}"
+            busy_before = busy_cores()  # the server idles now: this is everything else on the machine
+            cpu_before = session_cpu_s(proc.pid)
+            try:
+                if system == "vllm":
+                    records, duration, reported = bench_vllm(args, model_dir, port, rate, run_dir, vllm_py)
+                else:
+                    records, duration, reported = bench_pdserve(args, model_dir, port, rate, run_dir, warm=i > 0)
+            except RuntimeError as exc:
+                figures[key] = {"error": str(exc)}
+                per["rates"].setdefault(key, figures[key])
+                print(f"  {rate:g} req/s failed: {exc}", flush=True)
+                continue
+            m = figures[key] = w2_metrics(records, duration, slo)
+            m["busy_cores_before"], m["client_reported"] = busy_before, reported  # the client's own figures
+            m["cpu_ms_per_output_token"] = cpu_per_token(cpu_before, session_cpu_s(proc.pid), records)
+            planned = vllm_schedule(rate, args.num_requests, args.seed)
+            if args.schedule == "shared" or system == "vllm":  # how far the sends were from the shared plan
+                sent = sorted(r.sent_s for r in records)
+                m["send_vs_schedule_max_ms"] = max(abs(a - sent[0] - b) for a, b in zip(sent, planned)) * 1e3
+                if m["send_vs_schedule_max_ms"] > 100:
+                    print(
+                        f"  warning: sends were up to {m['send_vs_schedule_max_ms']:.0f} ms off the shared schedule",
+                        flush=True,
+                    )
+            runs.setdefault((system, key), []).append((records, duration))
+            per["rates"][key] = m if args.rounds == 1 else pooled_metrics(runs[(system, key)], slo, m)
+            print(
+                f"  rate_rps {rate:g}: request_throughput_rps {m['request_throughput_rps']:.2f}, goodput_rps "
+                f"{m['goodput_rps']:.2f}, ttft_p90_ms {m['ttft_p90_s'] * 1e3:.0f}, tpot_p90_ms "
+                f"{m['tpot_p90_s'] * 1e3:.1f}, "
+                f"failed {m['failed']}",
+                flush=True,
+            )
+            cpu = m["cpu_ms_per_output_token"]
+            by_kind = ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+            print(f"    server CPU ms per output token: {by_kind}", flush=True)
+    finally:
+        stop(proc)
 
 
 def cpu_per_token(before: dict[str, float], after: dict[str, float], records) -> dict[str, float]:
