@@ -49,6 +49,7 @@ from peers_env import ensure_vllm_venv, machine_info, vllm_env, vllm_versions
 from peers_processes import stop_all
 
 REPO = Path(__file__).resolve().parent.parent
+PLACEMENTS = ("split", "colocated", "auto")  # pdserve serve --placement, as W2 serves them
 
 
 def _on_sigterm(*_):
@@ -57,7 +58,10 @@ def _on_sigterm(*_):
 
 def _csv(kind):
     def parse(text: str) -> list:
-        values = [kind(x) for x in text.split(",") if x.strip()]
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
         if not values:
             raise argparse.ArgumentTypeError("empty list")
         return values
@@ -67,7 +71,12 @@ def _csv(kind):
 
 def _positive(kind):
     def parse(text: str):
-        value = kind(text)
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
@@ -78,6 +87,12 @@ def _positive(kind):
 def _dtype(text: str) -> str:
     if text not in ("bfloat16", "float32", "float16"):
         raise argparse.ArgumentTypeError(f"dtype must be bfloat16, float32 or float16, got {text}")
+    return text
+
+
+def _placement(text: str) -> str:
+    if text not in PLACEMENTS:
+        raise argparse.ArgumentTypeError(f"unknown placement {text!r}; choose from {', '.join(PLACEMENTS)}")
     return text
 
 
@@ -170,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pdserve-placements",
-        type=_csv(str),
+        type=_csv(_placement),
         default="split,colocated,auto",
         help="W2: pdserve placements to serve, comma-separated (default split,colocated,auto)",
     )

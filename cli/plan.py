@@ -152,6 +152,8 @@ def cmd_plan(args) -> int:
             f"best: none: no placement meets the SLO for {args.attainment:.0%} of requests at any rate probed; "
             "loosen --slo-ttft-ms / --slo-tpot-ms or --attainment, or give a smaller workload"
         )
+    for line in probe_warnings(best, args.max_probe_requests):
+        print(line, flush=True)
     doc = {
         "workers": args.workers,
         "profile": args.profile,
@@ -170,6 +172,27 @@ def cmd_plan(args) -> int:
     plot(rows, out / "plan.png")
     print(f"{planner.simulations} simulations in {wall:.1f} s; wrote {out / 'plan.json'}, {out / 'plan.png'}")
     return 0
+
+
+def probe_warnings(best: dict, max_probe_requests: int) -> list[str]:
+    """Warnings on how far to trust ``best``'s rate: it met the SLO at every rate the search
+    probed (``search_ceiling``), or its probes were cut at ``--max-probe-requests`` before a queue
+    could build (``probe_capped``)."""
+    if best.get("goodput_per_worker_rps", 0) <= 0:
+        return []
+    lines = []
+    if best.get("search_ceiling"):
+        lines.append(
+            f"warning: {best['label']} met the SLO at every rate probed, up to {best['max_rate_rps']:.3g} req/s a "
+            "unit: its rate is the search's ceiling, not the placement's limit"
+        )
+    if best.get("probe_capped"):
+        lines.append(
+            f"warning: at {best['max_rate_rps']:.3g} req/s a probe of {max_probe_requests} requests "
+            "(--max-probe-requests) ends before a queue can build, so the predicted goodput may be too high "
+            "and the ranking may change; raise --max-probe-requests (slower) to check it"
+        )
+    return lines
 
 
 def print_table(rows: list[dict]) -> None:

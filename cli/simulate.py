@@ -76,7 +76,7 @@ def read_profile(path: str) -> tuple:
     try:
         with open(path) as f:
             profile = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:  # a profile is UTF-8 JSON
         raise ValueError(f"cannot read --profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         model, serving = StepModel.from_profile(profile), ServingPaths.from_profile(profile)

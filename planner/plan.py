@@ -112,6 +112,12 @@ class Planner:
         floor = len(specs) if self.min_requests is None else min(self.min_requests, len(specs))
         return max(floor, min(self.max_requests, math.ceil(rate * span)))
 
+    def capped(self, specs: list[RequestSpec], rate: float) -> bool:
+        """Whether ``max_requests`` cut a probe at ``rate`` short of the span ``count`` asks for (a
+        queue may not build in it, so the rate found may be too high)."""
+        mean_out = sum(s.max_tokens for s in specs) / len(specs)
+        return math.ceil(rate * 2 * (self.slo.ttft_s + self.slo.tpot_s * mean_out)) > self.max_requests
+
     def check_fits(self, specs: list[RequestSpec]) -> None:
         """ValueError (one line) when a request cannot run on the model (too long, KV too small)."""
         eng = Simulator(SimConfig(self.engine, "colocated", 1, 0), self.model, self.dtype).workers[0].engine
@@ -173,7 +179,10 @@ class Planner:
                     best, lo = (mid, s), mid
                 else:
                     hi = mid
-        return result(cand, best)
+            if hi is None and best is not None:  # every rate probed met the SLO: the search's ceiling
+                return {**result(cand, best), "search_ceiling": True, "probe_capped": self.capped(specs, best[0])}
+        row = result(cand, best)
+        return {**row, "search_ceiling": False, "probe_capped": best is not None and self.capped(specs, best[0])}
 
     def run(self, cands: list[Candidate], specs: list[RequestSpec], num_workers: int) -> list[dict]:
         """Every candidate's figures, best first (predicted goodput of ``num_workers``, then per worker)."""

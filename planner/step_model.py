@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 SCHEMA = 2  # the layout of the profile JSON; from_profile reads only this one (1: the mixed step not fitted)
+MAX_STEP_S = 86400.0  # a profile whose coefficients predict a step longer than a day is refused
 SECTIONS = ("prefill", "decode", "mixed", "handoff")  # of both ``points`` and ``fits``
 UNITS = {
     "prefill": {"p0": "s", "p1": "s/token", "p2": "s/token^2", "p3": "s/token^2"},
@@ -138,7 +139,20 @@ class StepModel:
             if not isinstance(v, (int, float)) or not (v > 0 if name == "h1" else v >= 0) or math.isnan(v):
                 bound = "> 0" if name == "h1" else ">= 0"
                 raise ValueError(f"profile coefficient {name} must be a number {bound}, got {v!r}")
-        return cls(**{k: float(v) for k, v in values.items()})
+        model = cls(**{k: float(v) for k, v in values.items()})
+        probe = {  # a large step of each kind: beyond MAX_STEP_S no machine measured these coefficients
+            "a prefill step of 4096 tokens": model.prefill_s(4096, 4096),
+            "a decode step of 256 rows": model.decode_s(256, 256 * 4096),
+            "a mixed step": model.mixed_s(4096, 4096, 256, 256 * 4096),
+            "a 1 GB KV hand-off": model.handoff_s(1e9),
+        }
+        for what, seconds in probe.items():
+            if not seconds < MAX_STEP_S:
+                raise ValueError(
+                    f"profile coefficients predict {seconds:.3g} s for {what}, over {MAX_STEP_S:g} s: no machine "
+                    "measures that; run pdserve profile again"
+                )
+        return model
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -7,9 +7,20 @@ import argparse
 from pdserve.engine.config import DEFAULT_KV_STREAM, KV_DTYPES, KV_STREAMS, QUANTIZATIONS, EngineConfig
 
 
+def _parse(text: str, kind: type):
+    """``kind(text)``; ArgumentTypeError naming what was expected when ``text`` is not one (argparse
+    would otherwise print the type function's own name: "invalid positive_float value")."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    value = int(text)
+    value = _parse(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -17,7 +28,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    value = int(text)
+    value = _parse(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -25,7 +36,7 @@ def non_negative_int(text: str) -> int:
 
 def fraction(text: str) -> float:
     """argparse type: a number in [0, 1]."""
-    value = float(text)
+    value = _parse(text, float)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
@@ -33,7 +44,7 @@ def fraction(text: str) -> float:
 
 def positive_fraction(text: str) -> float:
     """argparse type: a number in (0, 1]."""
-    value = float(text)
+    value = _parse(text, float)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
@@ -41,7 +52,7 @@ def positive_fraction(text: str) -> float:
 
 def port(text: str) -> int:
     """argparse type: a TCP port, 0..65535 (0 = any free port)."""
-    value = int(text)
+    value = _parse(text, int)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
     return value
@@ -57,7 +68,7 @@ def host_port(text: str) -> str:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    value = float(text)
+    value = _parse(text, float)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
@@ -67,13 +78,13 @@ def rate_list(text: str) -> list[float]:
     """argparse type: comma-separated finite numbers > 0 (request rates, req/s)."""
     try:
         return [positive_float(part) for part in text.split(",")]
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}") from None
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    value = float(text)
+    value = _parse(text, float)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value

@@ -135,3 +135,25 @@ def test_an_slo_no_placement_meets_says_so(tmp_path):
     code, out, _, doc = plan(tmp_path, profile(1e-4, 1e-4), "2", "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
     assert code == 0 and doc["best"]["goodput_per_worker_rps"] == 0
     assert "best: none: no placement meets the SLO for 90% of requests" in out and "predicted goodput" not in out
+
+
+def test_a_rate_found_at_the_search_ceiling_or_with_capped_probes_is_flagged(tmp_path):
+    # steps of ~1 ms: every rate the search doubles to meets the SLO with 40-request probes
+    code, out, _, doc = plan(tmp_path, profile(1e-8, 1e-8), "2", *SLO, "--max-probe-requests", "40")
+    best = doc["best"]
+    assert code == 0 and best["search_ceiling"] and best["probe_capped"]
+    assert "its rate is the search's ceiling, not the placement's limit" in out
+    assert "a probe of 40 requests (--max-probe-requests) ends before a queue can build" in out
+
+
+def test_a_rate_found_below_the_ceiling_with_full_probes_is_not_flagged(tmp_path):
+    # prefill of 2 ms a token: a 64-token prompt takes 128 ms, so a unit saturates near 8 req/s,
+    # where a probe spans 2 x (0.4 + 0.06 x 16) s x 8 req/s = 22 requests, under the cap
+    code, out, _, doc = plan(tmp_path, profile(2e-3, 1e-4), "1", *SLO, "--max-probe-requests", "100")
+    best = doc["best"]
+    assert code == 0 and best["goodput_per_worker_rps"] > 0
+    assert not best["search_ceiling"] and not best["probe_capped"] and "warning:" not in out
+    specs = [RequestSpec(i, float(i), (3 + i,) * 8, 16, "random") for i in range(40)]
+    planner = Planner(EngineConfig(model="embedded"), StepModel.from_profile(toy_profile()), "float32",
+                      metrics.SLO(0.4, 0.06), max_requests=40)  # fmt: skip
+    assert not planner.capped(specs, 14.0) and planner.capped(specs, 15.0)  # 2 x 1.36 s x 15 = 40.8 > 40

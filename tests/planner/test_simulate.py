@@ -154,6 +154,13 @@ def test_split_first_decode_token_waits_for_the_handoff():
     assert split.e2e_s - colocated.e2e_s == pytest.approx(handoff)
 
 
+def with_coefficient(section: str, name: str, value: float) -> dict:
+    """``toy_profile()`` with one coefficient replaced."""
+    p = toy_profile()
+    p["fits"][section]["coefficients"][name]["value"] = value
+    return p
+
+
 @pytest.mark.parametrize(
     "content, flags, message",
     [
@@ -161,13 +168,17 @@ def test_split_first_decode_token_waits_for_the_handoff():
         (json.dumps({"schema": 7}), [], "profile schema 7"),
         (json.dumps({**toy_profile(), "settings": {}}), [], "no 'model_spec'"),
         (None, [], "cannot read --profile"),
+        (b"\xff\xfe{}", [], "cannot read --profile"),
+        (json.dumps(with_coefficient("decode", "d0", 1e308)), [], "predict 1e+308 s for a decode step of 256 rows"),
         (json.dumps(toy_profile()), ["--slo-ttft-ms", "100"], "--slo-ttft-ms needs --slo-tpot-ms"),
         (json.dumps(toy_profile()), ["--no-chunked-prefill", "--target-itl-ms", "50"], "needs chunked prefill"),
     ],
 )
 def test_bad_profile_or_flags_exit_2_with_one_line(tmp_path, content, flags, message):
     path = tmp_path / "p.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     code, _, err = run_cli("simulate", "--profile", str(path), *WORKLOAD, "--prompts", "random", *flags,
                            "--out", str(tmp_path / "o"))  # fmt: skip
