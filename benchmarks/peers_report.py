@@ -63,7 +63,7 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
     m = info["machine"]
     vv = info.get("vllm_venv_versions") or {}
     parts = [
-        f"# pdserve vs vLLM-CPU: {model_dir.name}",
+        f"# pdserve{'' if args.skip_vllm else ' vs vLLM-CPU'}: {model_dir.name}",
         "",
         *(["**Interrupted: partial results.**", ""] if info.get("interrupted") else []),
         f"- machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
@@ -249,7 +249,8 @@ def report(info: dict, args, model_dir: Path, w1: list[dict] | None, w2: dict | 
             "saturation rate: the highest swept rate sustained below the first one that is not.",
             "",
         ]
-    parts += [f"raw: {out}/peers.json, {out}/w1/, {out}/w2/, logs in {out}/logs/", ""]
+    folders = "".join(f", {out}/{w}/" for w, done in (("w1", w1 is not None), ("w2", w2 is not None)) if done)
+    parts += [f"raw: {out}/peers.json{folders}, logs in {out}/logs/", ""]
     return "\n".join(parts)
 
 

@@ -71,3 +71,24 @@ def test_the_report_names_each_rounds_probe():
     probe = {"read_gbps": 12.0, "bf16_tflops": 1.0}
     w2 = {"vllm": {"probe": probe, "probes": [probe, probe]}, "pdserve-split": {"probe": probe}}
     assert list(REPORT.round_probes(w2)) == ["vllm (round 1)", "vllm (round 2)", "pdserve-split"]
+
+
+def test_a_report_without_vllm_or_w1_names_neither():
+    import argparse
+    from pathlib import Path
+
+    machine = {
+        "cpu": "CPU",
+        "cores": 2,
+        "usable_cores": 2,
+        "bf16_isa": [],
+        "platform": "Linux",
+        "torch": "2",
+        "transformers": "5",
+        "python": "3",
+    }
+    info = {"machine": machine, "command": "peers.py", "pdserve_versions": {}}
+    args = argparse.Namespace(skip_vllm=True, max_model_len=512, kv_cache_gib=2, model="embedded:llama-80m")
+    text = REPORT.report(info, args, Path("/m/model"), None, None, Path("/o"))
+    assert text.startswith("# pdserve: model") and "vLLM-CPU:" not in text.splitlines()[0]
+    assert "raw: /o/peers.json, logs in /o/logs/" in text and "/o/w1/" not in text
