@@ -77,9 +77,10 @@ def positive_float(text: str) -> float:
 def rate_list(text: str) -> list[float]:
     """argparse type: comma-separated finite numbers > 0 (request rates, req/s)."""
     try:
-        return [positive_float(part) for part in text.split(",")]
-    except (ValueError, argparse.ArgumentTypeError):
+        [float(part) for part in text.split(",")]
+    except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}") from None
+    return [positive_float(part) for part in text.split(",")]
 
 
 def non_negative_float(text: str) -> float:
