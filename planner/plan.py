@@ -107,16 +107,18 @@ class Planner:
         """Requests of a probe at ``rate``: enough to span twice a request's SLO budget (TTFT + TPOT
         x mean output) so that a queue can build, at least ``min_requests`` (None: ``len(specs)``),
         at most ``max_requests``."""
-        mean_out = sum(s.max_tokens for s in specs) / len(specs)
-        span = 2 * (self.slo.ttft_s + self.slo.tpot_s * mean_out)
         floor = len(specs) if self.min_requests is None else min(self.min_requests, len(specs))
-        return max(floor, min(self.max_requests, math.ceil(rate * span)))
+        return max(floor, min(self.max_requests, self._wanted(specs, rate)))
+
+    def _wanted(self, specs: list[RequestSpec], rate: float) -> int:
+        """Requests at ``rate`` that span twice a request's SLO budget (TTFT + TPOT x mean output)."""
+        mean_out = sum(s.max_tokens for s in specs) / len(specs)
+        return math.ceil(rate * 2 * (self.slo.ttft_s + self.slo.tpot_s * mean_out))
 
     def capped(self, specs: list[RequestSpec], rate: float) -> bool:
         """Whether ``max_requests`` cut a probe at ``rate`` short of the span ``count`` asks for (a
         queue may not build in it, so the rate found may be too high)."""
-        mean_out = sum(s.max_tokens for s in specs) / len(specs)
-        return math.ceil(rate * 2 * (self.slo.ttft_s + self.slo.tpot_s * mean_out)) > self.max_requests
+        return self._wanted(specs, rate) > self.max_requests
 
     def check_fits(self, specs: list[RequestSpec]) -> None:
         """ValueError (one line) when a request cannot run on the model (too long, KV too small)."""
@@ -152,6 +154,7 @@ class Planner:
         with ``rates``, the last of the ascending sweep before the first miss; otherwise doubling
         (or halving) from ``DEFAULT_START_RATE`` x unit to bracket it, then ``search_steps`` bisections."""
         best: tuple[float, dict] | None = None
+        ceiling = False  # every rate the doubling probed met the SLO
         if self.rates:
             for r in self.rates:
                 s = self.probe(cand, specs, r)
@@ -179,10 +182,9 @@ class Planner:
                     best, lo = (mid, s), mid
                 else:
                     hi = mid
-            if hi is None and best is not None:  # every rate probed met the SLO: the search's ceiling
-                return {**result(cand, best), "search_ceiling": True, "probe_capped": self.capped(specs, best[0])}
-        row = result(cand, best)
-        return {**row, "search_ceiling": False, "probe_capped": best is not None and self.capped(specs, best[0])}
+            ceiling = hi is None and best is not None
+        capped = best is not None and self.capped(specs, best[0])
+        return {**result(cand, best), "search_ceiling": ceiling, "probe_capped": capped}
 
     def run(self, cands: list[Candidate], specs: list[RequestSpec], num_workers: int) -> list[dict]:
         """Every candidate's figures, best first (predicted goodput of ``num_workers``, then per worker)."""

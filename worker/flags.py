@@ -68,7 +68,10 @@ def host_port(text: str) -> str:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    value = _parse(text, float)
+    return _positive_finite(_parse(text, float), text)
+
+
+def _positive_finite(value: float, text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
@@ -76,11 +79,12 @@ def positive_float(text: str) -> float:
 
 def rate_list(text: str) -> list[float]:
     """argparse type: comma-separated finite numbers > 0 (request rates, req/s)."""
+    parts = text.split(",")
     try:
-        [float(part) for part in text.split(",")]
+        values = [float(part) for part in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {text!r}") from None
-    return [positive_float(part) for part in text.split(",")]
+    return [_positive_finite(v, part) for v, part in zip(values, parts)]
 
 
 def non_negative_float(text: str) -> float:
