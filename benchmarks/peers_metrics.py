@@ -101,15 +101,15 @@ def w2_metrics(records: list[RequestRecord], client_duration_s: float, slo: SLO)
     return out
 
 
-def pooled_metrics(runs: list[tuple[list[RequestRecord], float]], slo: SLO, last: dict | None = None) -> dict:
-    """One rate's figures over several rounds, each ``(records, client duration s)``: the latency
+def pooled_metrics(runs: list[tuple[list[RequestRecord], dict]], slo: SLO) -> dict:
+    """One rate's figures over several rounds, each ``(records, its w2_metrics)``: the latency
     percentiles and SLO attainment of all their requests together, goodput and throughput per second
     of the rounds' summed durations, ``offered_rps`` / ``completion_rps`` the rounds' mean,
     ``sustained`` only when every round was, and ``goodput_by_round_rps`` each round's own goodput.
-    ``last`` carries the latest round's extra keys (CPU per token, busy cores, the client's figures)."""
-    each = [w2_metrics(records, duration, slo) for records, duration in runs]
+    The latest round's extra keys (CPU per token, busy cores, the client's figures) are kept."""
+    each = [m for _, m in runs]
     records = [r for rs, _ in runs for r in rs]
-    out = {**(last or {}), **summarize(records, slo, duration_s=sum(m["duration_s"] for m in each))}
+    out = {**each[-1], **summarize(records, slo, duration_s=sum(m["duration_s"] for m in each))}
     ok = [r for r in records if r.ok]
     out.update(
         client_duration_s=sum(m["client_duration_s"] for m in each),

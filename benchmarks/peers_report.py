@@ -259,7 +259,7 @@ def round_probes(w2: dict) -> dict[str, dict[str, float]]:
     ("pdserve-auto (round 2)")."""
     out = {}
     for system, per in w2.items():
-        probes = per.get("probes") or ([per["probe"]] if "probe" in per else [])
+        probes = per.get("probes", [])
         for i, probe in enumerate(probes):
             out[system + (f" (round {i + 1})" if len(probes) > 1 else "")] = probe
     return out

@@ -98,7 +98,7 @@ def run_w2(args, model_dir: Path, out: Path, vllm_py: Path | None, results: dict
     (:func:`peers_metrics.pooled_metrics`) and ``results[system]["rounds"]`` keeps each round's own."""
     systems = (["vllm"] if vllm_py else []) + [f"pdserve-{p}" for p in args.pdserve_placements]
     slo = SLO(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3)
-    runs: dict[tuple[str, str], list] = {}  # (system, rate) -> [(records, client duration)] by round
+    runs: dict[tuple[str, str], list] = {}  # (system, rate) -> [(records, w2_metrics)] by round
     for r in range(args.rounds):
         for system in round_order(systems, r):
             per = results.setdefault(system, {"rates": {}, "rounds": [], "probes": []})
@@ -114,14 +114,15 @@ def round_order(systems: list[str], round_index: int) -> list[str]:
 
 def _run_system(args, model_dir, out, vllm_py, system, round_index, per, runs, slo) -> None:
     """Start ``system``'s server, run every rate of round ``round_index`` (from 0) against it, stop it."""
-    per["probes"].append(machine_probe())  # before its server: the machine alone
-    per["probe"] = per["probes"][0]
+    probe = machine_probe()  # before its server: the machine alone
+    per["probes"].append(probe)
+    per.setdefault("probe", probe)  # the first round's
     figures = {}
     per["rounds"].append(figures)
     label = f"W2 {system}" + (f", round {round_index + 1} of {args.rounds}" if args.rounds > 1 else "")
     print(
-        f"{label}: machine probe {per['probes'][-1]['read_gbps']:.1f} GB/s, "
-        f"{per['probes'][-1]['bf16_tflops']:.2f} TFLOP/s (one thread); starting the server ({args.serve_dtype})...",
+        f"{label}: machine probe {probe['read_gbps']:.1f} GB/s, {probe['bf16_tflops']:.2f} TFLOP/s (one thread); "
+        f"starting the server ({args.serve_dtype})...",
         flush=True,
     )
     t = time.monotonic()
@@ -162,8 +163,8 @@ def _run_system(args, model_dir, out, vllm_py, system, round_index, per, runs, s
                         f"  warning: sends were up to {m['send_vs_schedule_max_ms']:.0f} ms off the shared schedule",
                         flush=True,
                     )
-            runs.setdefault((system, key), []).append((records, duration))
-            per["rates"][key] = m if args.rounds == 1 else pooled_metrics(runs[(system, key)], slo, m)
+            runs.setdefault((system, key), []).append((records, m))
+            per["rates"][key] = m if args.rounds == 1 else pooled_metrics(runs[(system, key)], slo)
             print(
                 f"  rate_rps {rate:g}: request_throughput_rps {m['request_throughput_rps']:.2f}, goodput_rps "
                 f"{m['goodput_rps']:.2f}, ttft_p90_ms {m['ttft_p90_s'] * 1e3:.0f}, tpot_p90_ms "

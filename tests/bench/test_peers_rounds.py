@@ -48,7 +48,7 @@ def test_a_rate_pools_the_requests_of_every_round():
     fast = _round(10, 0.25, 0.1, 0.02)  # every request meets the SLO
     slow = _round(10, 0.25, 0.1, 0.05)  # none does: TPOT 50 ms
     one, two = METRICS.w2_metrics(fast, 3.0, SLO_W2), METRICS.w2_metrics(slow, 3.0, SLO_W2)
-    pooled = METRICS.pooled_metrics([(fast, 3.0), (slow, 3.0)], SLO_W2, {"busy_cores_before": 0.1})
+    pooled = METRICS.pooled_metrics([(fast, one), (slow, {**two, "busy_cores_before": 0.1})], SLO_W2)
     assert pooled["requests"] == 20 and pooled["slo_attainment"] == pytest.approx(0.5)
     assert pooled["duration_s"] == pytest.approx(one["duration_s"] + two["duration_s"])
     assert pooled["goodput_rps"] == pytest.approx(10 / pooled["duration_s"])
@@ -63,13 +63,14 @@ def test_a_rate_is_sustained_only_when_every_round_sustained_it():
     lost = _round(10, 0.25, 0.1, 0.02)
     lost[-1].token_times_s.clear()
     lost[-1].error, lost[-1].finish_reason = "no output token", "error"
-    assert METRICS.pooled_metrics([(kept, 3.0)], SLO_W2)["sustained"]
-    assert not METRICS.pooled_metrics([(kept, 3.0), (lost, 3.0)], SLO_W2)["sustained"]
+    kept_m, lost_m = METRICS.w2_metrics(kept, 3.0, SLO_W2), METRICS.w2_metrics(lost, 3.0, SLO_W2)
+    assert METRICS.pooled_metrics([(kept, kept_m)], SLO_W2)["sustained"]
+    assert not METRICS.pooled_metrics([(kept, kept_m), (lost, lost_m)], SLO_W2)["sustained"]
 
 
 def test_the_report_names_each_rounds_probe():
     probe = {"read_gbps": 12.0, "bf16_tflops": 1.0}
-    w2 = {"vllm": {"probe": probe, "probes": [probe, probe]}, "pdserve-split": {"probe": probe}}
+    w2 = {"vllm": {"probe": probe, "probes": [probe, probe]}, "pdserve-split": {"probe": probe, "probes": [probe]}}
     assert list(REPORT.round_probes(w2)) == ["vllm (round 1)", "vllm (round 2)", "pdserve-split"]
 
 
