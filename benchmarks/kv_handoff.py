@@ -1,4 +1,4 @@
-"""KV hand-off benchmark: prefill engine -> codec -> loopback gRPC PushKv -> decode worker's cache.
+"""KV hand-off benchmark: prefill engine -> codec -> loopback transport -> decode worker's cache.
 
 For each dtype and prompt length it prefills one prompt on ``embedded:llama-80m`` and times, with
 min-of-N, every stage of the hand-off on its own and the whole hand-off end to end:
@@ -6,8 +6,10 @@ min-of-N, every stage of the hand-off on its own and the whole hand-off end to e
 - ``read``:   ``ModelRunner.read_kv`` out of the prefill engine's paged cache (into the prefill worker's
               reused host buffers, where it has them)
 - ``pack``:   serialising the payload the way the prefill worker does (header, tensor bytes, checksum)
-- ``push``:   chunking + gRPC ``PushKv`` of a packed frame, until the decode worker holds the decoded
-              payload (a decoder that checks and copies chunks as they arrive does ``unpack``'s work here)
+- ``push``:   chunking + sending a packed frame over the row's transport (``grpc``: the ``PushKv``
+              call; ``tcp``: the KV data connection, ``--kv-transport tcp``), until the decode worker
+              holds the decoded payload (a decoder that checks and copies chunks as they arrive does
+              ``unpack``'s work here)
 - ``unpack``: decoding a whole frame (all checks, checksum, copy into the tensor; into the decode
               worker's reused host buffers, where it has them)
 - ``write``:  ``ModelRunner.write_kv`` into the decode engine's paged cache (on its engine thread)
@@ -24,6 +26,7 @@ shared: only the minimum of N runs is reported.
 
     python benchmarks/kv_handoff.py                       # 256/1024/4096 tokens, float32 + bfloat16
     python benchmarks/kv_handoff.py --lengths 1024 --dtypes bfloat16 --repeats 30 --decode-process
+    python benchmarks/kv_handoff.py --transports tcp      # one transport (default: grpc,tcp side by side)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import random
 import subprocess
 import sys
 import time
+import timeit
 
 import grpc
 import torch
@@ -50,21 +54,16 @@ from pdserve.engine.models.loader import resolve_model_dir
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.prefill_worker.kv_sender import GrpcKvSender
+from pdserve.prefill_worker.kv_tcp_sender import TcpKvSender
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 MODEL = "embedded:llama-80m"
-# What the prefill worker serialises with (encode_kv: header + tensor view; older code: pack_kv).
-SERIALIZE = getattr(prefill_mod, "encode_kv", None) or prefill_mod.pack_kv
+SERIALIZE = getattr(prefill_mod, "encode_kv", None) or prefill_mod.pack_kv  # the prefill worker's (older: pack_kv)
 
 
 def best_ms(fn, repeats: int) -> float:
     """Min over ``repeats`` calls of ``fn()``, in ms."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return min(timeit.repeat(fn, number=1, repeat=repeats)) * 1e3
 
 
 class Arrival:
@@ -122,12 +121,13 @@ def write_ms(engine: LLMEngine, kv: torch.Tensor, ids: list[int], repeats: int) 
 
 
 async def handoffs(
-    n: int, seq: Sequence, payload: KvPayload, engine: LLMEngine, server, e2e_address: str, args
+    n: int, seq: Sequence, payload: KvPayload, engine: LLMEngine, server, e2e_address: str, transport: str, args
 ) -> tuple[float, float]:
     """Min-of-N ms of ``push`` (a packed frame, to ``server``) and ``e2e`` (read + the prefill worker's
-    push, to the decode worker at ``e2e_address``)."""
+    push, to the decode worker at ``e2e_address``), over ``transport``."""
     arrival = Arrival(server.worker)
     sender = GrpcKvSender(args.chunk_bytes) if args.chunk_bytes else GrpcKvSender()
+    sender = TcpKvSender(sender) if transport == "tcp" else sender
     pworker = prefill_mod.PrefillWorker(engine, sender)  # not served: only its _push is used
     buffers = getattr(pworker, "kv_buffers", None)
 
@@ -139,7 +139,7 @@ async def handoffs(
     try:
         for i in range(args.repeats):
             for mode, address in (("push", server.address), ("e2e", e2e_address)):
-                rid = f"d{n}-{mode}-{i}"
+                rid = f"d{n}-{transport}-{mode}-{i}"
                 stub = worker_pb2_grpc.DecodeServiceStub(channels[address])
                 stream = stub.Decode(worker_pb2.DecodeRequest(request_id=rid, kv_timeout_s=60))
                 await stream.initial_metadata()
@@ -228,12 +228,14 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
             }
             write = functools.partial(write_ms, kv=kv, ids=ids, repeats=args.repeats)
             st["write"] = await asyncio.wrap_future(server.worker.host.loop.submit(write))
-            st["push"], e2e = await handoffs(n, seq, payload, engine, server, e2e_address, args)
-            engine.scheduler.finish(seq)
             nbytes = kv.numel() * kv.element_size()
-            row = dict(dtype=dtype, tokens=n, bytes=nbytes, **st, e2e=e2e, gbps=nbytes / e2e / 1e6, prefill=prefill_ms)
-            rows.append({**row, "share": e2e / (prefill_ms + e2e)})
-            print_row(rows[-1])
+            for transport in args.transports.split(","):
+                st["push"], e2e = await handoffs(n, seq, payload, engine, server, e2e_address, transport, args)
+                row = dict(dtype=dtype, tokens=n, transport=transport, bytes=nbytes, **st, e2e=e2e)
+                row |= dict(gbps=nbytes / e2e / 1e6, prefill=prefill_ms)
+                rows.append({**row, "share": e2e / (prefill_ms + e2e)})
+                print_row(rows[-1])
+            engine.scheduler.finish(seq)
     finally:
         await server.stop()
         if child is not None:
@@ -243,14 +245,14 @@ async def run_dtype(dtype: str, lengths: list[int], args) -> list[dict]:
 
 
 HEADER = (
-    f"{'dtype':<9}{'tokens':>7}{'MB':>8}{'read':>8}{'pack':>8}{'push':>8}{'unpack':>8}{'write':>8}"
+    f"{'dtype':<9}{'tokens':>7}{'via':>6}{'MB':>8}{'read':>8}{'pack':>8}{'push':>8}{'unpack':>8}{'write':>8}"
     f"{'e2e ms':>9}{'GB/s':>7}{'prefill':>9}{'TTFT%':>7}"
 )
 
 
 def print_row(r: dict) -> None:
     print(
-        f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>8.1f}{r['read']:>8.2f}{r['pack']:>8.2f}"
+        f"{r['dtype']:<9}{r['tokens']:>7}{r['transport']:>6}{r['bytes'] / 1e6:>8.1f}{r['read']:>8.2f}{r['pack']:>8.2f}"
         f"{r['push']:>8.2f}{r['unpack']:>8.2f}{r['write']:>8.2f}{r['e2e']:>9.2f}{r['gbps']:>7.2f}"
         f"{r['prefill']:>9.1f}{r['share'] * 100:>6.1f}%",
         flush=True,
@@ -264,12 +266,15 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10, help="N of min-of-N for every hand-off stage")
     p.add_argument("--prefill-repeats", type=int, default=3, help="N of min-of-N for the prefill")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-bytes", type=int, default=0, help="KV chunk size (default: GrpcKvSender's)")
+    p.add_argument("--chunk-bytes", type=int, default=0, help="gRPC's KV chunk size (default: GrpcKvSender's)")
+    p.add_argument("--transports", default="grpc,tcp", help="KV transports to time, comma-separated: grpc, tcp")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--decode-process", action="store_true", help="e2e to a decode worker in a child process")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--serve-decode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not set(args.transports.split(",")) <= {"grpc", "tcp"}:
+        p.error(f"--transports: each of grpc, tcp; got {args.transports!r}")
     if args.serve_decode:
         await serve_decode(args)
         return 0

@@ -1,10 +1,12 @@
 """Whole-frame against layer-wise KV hand-off in split placement: TTFT and the hand-off left exposed.
 
-For each dtype and hand-off (``--kv-stream whole`` / ``layer``) it starts a prefill worker and a
-decode worker, each in a process of its own (``python -m pdserve.prefill_worker`` / ``decode_worker``)
-pinned to CPUs of its own as ``pdserve serve --placement split`` places them (one each by default,
-so the prefill worker's sending competes with its forward on its core), and sends them prompts of
-each length the way the router does (Decode first, then Prefill with the decode worker's address).
+For each dtype and hand-off (``--kv-stream whole`` / ``layer``, over each ``--kv-transports``: the
+KV data connection, ``tcp``, by default; ``grpc,tcp`` puts the two side by side) it starts a
+prefill worker and a decode worker, each in a process of its own (``python -m
+pdserve.prefill_worker`` / ``decode_worker``) pinned to CPUs of its own as ``pdserve serve
+--placement split`` places them (one each by default, so the prefill worker's sending competes with
+its forward on its core), and sends them prompts of each length the way the router does (Decode
+first, then Prefill with the decode worker's address).
 Per request:
 
 - ``prefill``: from the Prefill call to the first token sampled (the prefill worker's wall clock,
@@ -22,6 +24,7 @@ whether it has AMX are printed first.
 
     python benchmarks/kv_stream.py                     # 256 and 1,024 tokens, float32 and bfloat16
     python benchmarks/kv_stream.py --lengths 1024 --dtypes bfloat16 --repeats 15
+    python benchmarks/kv_stream.py --kv-transports grpc,tcp  # each hand-off over both transports
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ def cpu_line() -> str:
     return f"{name}, {len(os.sched_getaffinity(0))} cores, {amx}"
 
 
-def start_worker(role: str, dtype: str, kv_stream: str, args) -> tuple[subprocess.Popen, str]:
+def start_worker(role: str, dtype: str, mode: str, args) -> tuple[subprocess.Popen, str]:
     """A worker process; with ``--cpus-per-worker N`` pinned to CPUs of its own (prefill the first N,
-    decode the next N) with N torch threads, as ``pdserve serve --placement split`` places them."""
+    decode the next N) with N torch threads, as ``pdserve serve --placement split`` places them.
+    ``mode``: "<kv stream>/<kv transport>"."""
+    kv_stream, kv_transport = mode.split("/")
     cmd = [sys.executable, "-m", f"pdserve.{role}_worker", "--model", MODEL, "--dtype", dtype]
-    cmd += ["--kv-stream", kv_stream, "--port", "0", "--max-num-batched-tokens", str(max(args.lengths))]
+    cmd += ["--kv-stream", kv_stream, "--kv-transport", kv_transport, "--port", "0"]
+    cmd += ["--max-num-batched-tokens", str(max(args.lengths))]
     n, pin = args.cpus_per_worker, None
     if n:
         cpus = sorted(os.sched_getaffinity(0))[(role == "decode") * n :][:n]
@@ -107,8 +113,8 @@ async def one_request(prefill, decode, decode_address: str, rid: str, ids: list[
 async def run(dtype: str, args) -> list[dict]:
     """Both hand-offs' workers at once (idle ones cost nothing), their requests interleaved, so that
     whatever else runs on the machine meanwhile slows both alike; rows whole, layer per length."""
-    modes = ("whole", "layer")
-    procs = {m: (start_worker("prefill", dtype, m, args), start_worker("decode", dtype, "whole", args)) for m in modes}
+    modes = tuple(f"{s}/{t}" for t in args.kv_transports.split(",") for s in ("whole", "layer"))
+    procs = {m: (start_worker("prefill", dtype, m, args), start_worker("decode", dtype, m, args)) for m in modes}
     rows, rng = [], random.Random(0)
     vocab = ModelConfig.from_folder(resolve_model_dir(MODEL)).vocab_size
     channels = [grpc.aio.insecure_channel(addr) for m in modes for (_, addr) in procs[m]]
@@ -146,15 +152,15 @@ async def run(dtype: str, args) -> list[dict]:
 
 
 HEADER = (
-    f"{'dtype':<9}{'tokens':>7}{'MB':>7}  {'hand-off':<9}{'prefill':>9}{'exposed':>9}{'TTFT':>9}{'exposed%':>9}"
+    f"{'dtype':<9}{'tokens':>7}{'MB':>7}  {'hand-off':<11}{'prefill':>9}{'exposed':>9}{'TTFT':>9}{'exposed%':>9}"
     f"{'GB/s':>7}{'TTFT p50':>10}"
 )
 
 
 def print_row(r: dict) -> None:
-    gbps = f"{r['nbytes'] / r['exposed'] / 1e6:>7.2f}" if r["kv_stream"] == "whole" and r["exposed"] else f"{'-':>7}"
+    gbps = f"{r['nbytes'] / r['exposed'] / 1e6:>7.2f}" if r["kv_stream"][0] == "w" and r["exposed"] else f"{'-':>7}"
     print(
-        f"{r['dtype']:<9}{r['tokens']:>7}{r['nbytes'] / 1e6:>7.1f}  {r['kv_stream']:<9}{r['prefill']:>9.1f}"
+        f"{r['dtype']:<9}{r['tokens']:>7}{r['nbytes'] / 1e6:>7.1f}  {r['kv_stream']:<11}{r['prefill']:>9.1f}"
         f"{r['exposed']:>9.2f}{r['ttft']:>9.1f}{100 * r['exposed'] / r['ttft']:>8.1f}%{gbps}{r['ttft_median']:>10.1f}",
         flush=True,
     )
@@ -173,8 +179,11 @@ async def main(argv: list[str] | None = None) -> int:
         help="pin each worker to this many CPUs of its own with as many torch threads (pdserve serve's "
         "default: 1); 0: no pinning, torch's default threads, both workers on every core",
     )
+    p.add_argument("--kv-transports", default="tcp", help="the workers' --kv-transport, each in turn: tcp, grpc")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
+    if not set(args.kv_transports.split(",")) <= {"tcp", "grpc"}:
+        p.error(f"--kv-transports: each of tcp, grpc; got {args.kv_transports!r}")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     where = f"{args.cpus_per_worker} CPU(s) per worker" if args.cpus_per_worker else "workers share every core"
     print(f"{MODEL}; {cpu_line()}; {where}; best of {args.repeats} requests; times in ms", flush=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from pdserve.decode_worker.layer_writer import LayerWriter
 from pdserve.engine.config import for_role
 from pdserve.engine.kv.buffers import HostBuffers
-from pdserve.engine.kv.codec import Frame, KvCodecError, KvLimits, KvPayload, unpack_kv
+from pdserve.engine.kv.codec import Buffer, Frame, KvCodecError, KvLimits, KvPayload, unpack_kv
 from pdserve.engine.kv.stream_decoder import KvStreamDecoder
 from pdserve.engine.llm_engine import KvCacheFullError, LLMEngine
 from pdserve.engine.scheduling.sequence import Sequence
@@ -176,39 +177,65 @@ class DecodeWorker(worker_pb2_grpc.DecodeServiceServicer):
             await submit_quietly(self.host.loop, lambda e: _let_go(e, rid, finished))
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> worker_pb2.PushKvResponse:
-        # Chunks are decoded as they arrive: a bad header is refused at once, and each chunk's bytes
-        # are checksummed and copied while the next ones are still in flight. A whole frame is admitted
-        # once it is in; a layer-wise stream has its blocks reserved at its head frame, each layer
-        # written into them as it lands and the sequence admitted at its end frame (LayerWriter).
-        decoder = KvStreamDecoder(self.engine.fingerprint, self.limits, self.kv_buffers.take)
-        rid, writer = None, LayerWriter(self)
-        try:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "KV cache refused: the push carried no chunk")
+
+        async def data():
+            yield first.data
             async for chunk in request_iterator:
-                if rid is None:
-                    rid = chunk.request_id
-                    if rid not in self._pending:
-                        await context.abort(
-                            grpc.StatusCode.NOT_FOUND, f"no decode stream is waiting for request {rid!r}"
-                        )
-                for event in decoder.add(chunk.data):
+                yield chunk.data
+
+        try:
+            received = await self.take_push(first.request_id, data())
+        except KvPushRefused as exc:
+            await context.abort(exc.code, exc.message)
+        return worker_pb2.PushKvResponse(received_bytes=received)
+
+    async def take_push(self, rid: str, data: AsyncIterator[Buffer]) -> int:
+        """Take one push of ``rid``'s KV, whatever carried it (gRPC's PushKv, the KV data connection
+        of ``decode_worker.kv_tcp``): ``data`` yields its bytes in pieces of any size. Returns the
+        bytes received.
+
+        The pieces are decoded as they arrive: a bad header is refused at once, and each piece is
+        checksummed and copied while the next ones are still in flight. A whole frame is admitted
+        once it is in; a layer-wise stream has its blocks reserved at its head frame, each layer
+        written into them as it lands and the sequence admitted at its end frame (LayerWriter).
+        Raises KvPushRefused (NOT_FOUND when no Decode stream waits for ``rid``; the
+        ``PUSH_ERROR_CODES`` code of any other failure, which also ends the waiting Decode stream).
+        However the push ends (refused, cut short, cancelled) it leaves no block behind.
+        """
+        if rid not in self._pending:
+            raise KvPushRefused(grpc.StatusCode.NOT_FOUND, f"no decode stream is waiting for request {rid!r}")
+        decoder = KvStreamDecoder(self.engine.fingerprint, self.limits, self.kv_buffers.take)
+        writer = LayerWriter(self)
+        try:
+            async for piece in data:
+                for event in decoder.add(piece):
                     if not await writer.on_event(rid, event):
-                        return worker_pb2.PushKvResponse(received_bytes=decoder.received)
+                        return decoder.received
             payload = decoder.finish()
             if payload is not None:
                 await self.admit(payload)
                 self.kv_buffers.give(payload.kv)  # written into the cache (admit_kv has returned)
-        except grpc.aio.AbortError:
-            raise
         except Exception as exc:  # every failure also ends the waiting Decode stream at once
             fut = self._pending.get(rid)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
             code = next((c for t, c in PUSH_ERROR_CODES if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
             message = exc.args[0] if isinstance(exc, KeyError) else str(exc) or repr(exc)
-            await context.abort(code, f"KV cache refused: {message}")
+            raise KvPushRefused(code, f"KV cache refused: {message}") from exc
         finally:  # a stream that broke off (cancelled, refused, cut short) leaves no block behind
             writer.release()
-        return worker_pb2.PushKvResponse(received_bytes=decoder.received)
+        return decoder.received
+
+
+class KvPushRefused(Exception):
+    """A decode worker did not take a KV push: ``code`` (a grpc.StatusCode) and ``message`` say why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 def _let_go(engine: LLMEngine, request_id: str, finished: bool) -> None:
@@ -226,15 +253,17 @@ def decode_service(worker: DecodeWorker) -> tuple:
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_timeout_s: float = 30.0):
     """Build the engine (off the event loop) and serve DecodeService + WorkerService, and
     ColocatedService on the same engine for requests the router has it prefill itself
-    (conditional disaggregation).
+    (conditional disaggregation), and the KV data connection (``decode_worker.kv_tcp``).
 
     Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
     from pdserve.worker.host import serve_worker
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "decode"))
+    from pdserve.decode_worker.kv_tcp import KvTcpServer
     from pdserve.worker.colocated_service import ColocatedWorker, colocated_service
 
     worker = DecodeWorker(engine, kv_timeout_s)
     local = ColocatedWorker(engine, worker.host)
-    return await serve_worker(worker, [decode_service(worker), colocated_service(local)], host, port)
+    services = [decode_service(worker), colocated_service(local)]
+    return await serve_worker(worker, services, host, port, KvTcpServer(worker))

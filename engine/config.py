@@ -14,6 +14,7 @@ KV_DTYPES = ("float32", "float16", "bfloat16")
 # a prefill worker's KV hand-off: one frame after the prefill, or each layer while it runs (layer_stream.py)
 KV_STREAMS = ("whole", "layer")
 DEFAULT_KV_STREAM = "layer"  # the lower TTFT at 1,024 tokens on 2 CPU cores (docs/measurements.md)
+KV_TRANSPORTS = ("tcp", "grpc")  # tcp: several times gRPC's bytes per second on loopback (docs/measurements.md)
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, of the decoder's linears (engine/models/quant.py)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -245,7 +246,9 @@ class EngineConfig:
     ``quantization`` / ``lm_head_quantization`` ("none", "int8" or "int4"): the decoder layers'
     linears' / lm_head's weights (``pdserve.engine.models.quant``); the KV cache stays in ``dtype``.
     ``kv_stream`` (a prefill worker's): its KV goes to decode as one frame after the prefill
-    ("whole") or layer by layer while it runs ("layer"). ``enforce_eager``: on CUDA, decode steps
+    ("whole") or layer by layer while it runs ("layer"), over ``kv_transport``: "tcp", the decode
+    worker's KV data connection (``pdserve.engine.kv.tcp_wire``), or "grpc", its PushKv (always the
+    way to a worker that offers no KV port). ``enforce_eager``: on CUDA, decode steps
     op by op instead of replayed CUDA graphs (``pdserve.engine.decode_graphs``).
     """
 
@@ -266,6 +269,7 @@ class EngineConfig:
     quantization: str = "none"
     lm_head_quantization: str = "none"
     kv_stream: str = DEFAULT_KV_STREAM
+    kv_transport: str = "tcp"
     enforce_eager: bool = False
 
     @property
@@ -278,11 +282,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in ("auto", *KV_DTYPES):
             raise ValueError(f"dtype must be auto or one of {KV_DTYPES}, got {self.dtype!r}")
-        if self.kv_stream not in KV_STREAMS:
-            raise ValueError(f"kv_stream must be one of {', '.join(KV_STREAMS)}, got {self.kv_stream!r}")
-        for name in ("quantization", "lm_head_quantization"):
-            if getattr(self, name) not in QUANTIZATIONS:
-                raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, got {getattr(self, name)!r}")
+        choices = {"kv_stream": KV_STREAMS, "kv_transport": KV_TRANSPORTS}
+        for name, allowed in (choices | dict.fromkeys(("quantization", "lm_head_quantization"), QUANTIZATIONS)).items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.max_num_seqs < 1 or self.token_budget < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.target_itl_ms is not None and not 0 < self.target_itl_ms < float("inf"):

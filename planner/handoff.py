@@ -7,9 +7,9 @@ For each prompt length a prompt is prefilled on the profiled engine, then each t
 - ``read``: ``ModelRunner.read_kv`` out of the paged cache into reused host buffers
   (``HostBuffers``, as ``LLMEngine.extract_kv`` does it for a prefill worker);
 - ``encode``: ``encode_kv`` (header, tensor view, checksum) on a worker thread;
-- ``push``: ``GrpcKvSender.send_kv`` to the decode worker's ``PushKv`` (1 MiB chunks over gRPC on
-  127.0.0.1), which returns once the decode worker has decoded the frame (checks, checksum, copy)
-  and written the KV into its paged cache (``LLMEngine.admit_kv``).
+- ``push``: the engine config's ``kv_transport`` (``kv_sender_for``: the KV data connection, or
+  gRPC's ``PushKv``; 1 MiB chunks on 127.0.0.1), until the decode worker has decoded the frame
+  (checks, checksum, copy) and written the KV into its paged cache (``LLMEngine.admit_kv``).
 
 The decode worker (``decode_worker.serve``) runs in this process, on its own engine thread; it
 then decodes one token per hand-off, which is not timed.
@@ -29,14 +29,14 @@ from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.planner.grid import Grid
-from pdserve.prefill_worker.kv_sender import GrpcKvSender
+from pdserve.prefill_worker.worker import kv_sender_for
 from pdserve.rpc.auth import internal_channel
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 TRANSPORT = (
-    "real: ModelRunner.read_kv + encode_kv + GrpcKvSender.send_kv to a decode worker (decode_worker.serve) "
-    "on 127.0.0.1 in this process, until its PushKv returned (frame decoded, KV written into its cache)"
+    "real: ModelRunner.read_kv + encode_kv + a push over {} to a decode worker (decode_worker.serve) "
+    "on 127.0.0.1 in this process, until it returned (frame decoded, KV written into its cache)"
 )
 
 
@@ -50,7 +50,7 @@ async def measure_handoff(
     top = max(grid.handoff_tokens) + 2
     cfg = replace(engine.cfg, num_kv_blocks=2 * engine.blocks.blocks_for(top), max_model_len=engine.max_model_len)
     worker = await serve(cfg)
-    sender, buffers = GrpcKvSender(), HostBuffers()
+    sender, buffers = kv_sender_for(engine.cfg), HostBuffers()
     channel = internal_channel(worker.address, GRPC_OPTIONS)
     stub = worker_pb2_grpc.DecodeServiceStub(channel)
     sampling = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -93,7 +93,8 @@ async def measure_handoff(
         await channel.close()
         await sender.close()
         await worker.stop()
-    return [_point(n, nbytes[n], runs[n]) for n in grid.handoff_tokens], TRANSPORT
+    via = "the KV data connection (tcp)" if engine.cfg.kv_transport == "tcp" else "gRPC's PushKv"
+    return [_point(n, nbytes[n], runs[n]) for n in grid.handoff_tokens], TRANSPORT.format(via)
 
 
 def _point(n: int, nbytes: int, runs: list[tuple[float, float, float, float]]) -> dict:

@@ -249,6 +249,16 @@ def _refusal(push: asyncio.Task) -> worker_pb2.KvPushError | None:
     return failure if failure is not None and failure.code in REFUSALS else None
 
 
+def kv_sender_for(cfg, grpc_chunk_bytes: int = 1 << 20) -> KvSender:
+    """The KvSender ``cfg.kv_transport`` names: TcpKvSender (with gRPC for workers without a KV port)
+    or GrpcKvSender; ``grpc_chunk_bytes``: the size of gRPC's KvChunk messages."""
+    from pdserve.prefill_worker.kv_sender import GrpcKvSender
+    from pdserve.prefill_worker.kv_tcp_sender import TcpKvSender
+
+    sender = GrpcKvSender(grpc_chunk_bytes)
+    return TcpKvSender(sender) if cfg.kv_transport == "tcp" else sender
+
+
 def prefill_service(worker: PrefillWorker) -> tuple:
     """PrefillService on ``worker``, as ``serve_worker`` takes services."""
     return (worker_pb2_grpc.add_PrefillServiceServicer_to_server, worker, "pdserve.v1.PrefillService")
@@ -256,13 +266,12 @@ def prefill_service(worker: PrefillWorker) -> tuple:
 
 async def serve(cfg, host: str = "127.0.0.1", port: int = 0, kv_chunk_bytes: int = 1 << 20):
     """Build the engine (off the event loop) and serve PrefillService + WorkerService; the KV
-    hand-off is ``cfg.kv_stream``'s.
+    hand-off is ``cfg.kv_stream``'s, over ``cfg.kv_transport``.
 
     Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port.
     """
-    from pdserve.prefill_worker.kv_sender import GrpcKvSender
     from pdserve.worker.host import serve_worker
 
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "prefill"))
-    worker = PrefillWorker(engine, GrpcKvSender(kv_chunk_bytes))
+    worker = PrefillWorker(engine, kv_sender_for(cfg, kv_chunk_bytes))
     return await serve_worker(worker, [prefill_service(worker)], host, port)

@@ -69,11 +69,12 @@ async def serve(cfg, host: str = "127.0.0.1", port: int = 0, role: str = "decode
 
     Returns a ``pdserve.worker.host.RunningWorker``; ``port=0`` picks a free port. ValueError for
     an unknown ``role``."""
-    from pdserve.prefill_worker.kv_sender import GrpcKvSender
+    from pdserve.decode_worker.kv_tcp import KvTcpServer
+    from pdserve.prefill_worker.worker import kv_sender_for
     from pdserve.worker.host import serve_worker
 
     SwitchableWorker._check(role)
     engine = await asyncio.to_thread(LLMEngine, for_role(cfg, "decode"))
-    w = SwitchableWorker(engine, GrpcKvSender(kv_chunk_bytes), role)
+    w = SwitchableWorker(engine, kv_sender_for(cfg, kv_chunk_bytes), role)
     services = [prefill_service(w.prefill), decode_service(w.decode), colocated_service(w.colocated)]
-    return await serve_worker(w, services, host, port)
+    return await serve_worker(w, services, host, port, KvTcpServer(w.decode))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.config import DEFAULT_KV_STREAM, KV_DTYPES, KV_STREAMS, QUANTIZATIONS, EngineConfig
+from pdserve.engine.config import DEFAULT_KV_STREAM, KV_DTYPES, KV_STREAMS, KV_TRANSPORTS, QUANTIZATIONS, EngineConfig
 
 
 def _parse(text: str, kind: type):
@@ -176,6 +176,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         f"prefill (docs/architecture.md#layer-by-layer); default {DEFAULT_KV_STREAM}",
     )
     parser.add_argument(
+        "--kv-transport",
+        default="tcp",
+        choices=KV_TRANSPORTS,
+        help="how a prefill worker's KV reaches a decode worker: tcp = a plain TCP connection to the "
+        "decode worker's KV port (several times gRPC's bytes per second); grpc = the PushKv call. "
+        "A decode worker always offers both; default tcp",
+    )
+    parser.add_argument(
         "--device", default=None, choices=["cpu", "cuda"], help="default: cuda when there is a GPU per worker, else cpu"
     )
     parser.add_argument(
@@ -221,5 +229,6 @@ def engine_config_from_args(args: argparse.Namespace, device: str | None = None)
         quantization=args.quantization,
         lm_head_quantization=args.lm_head_quantization,
         kv_stream=args.kv_stream,
+        kv_transport=args.kv_transport,
         enforce_eager=args.enforce_eager,
     )

@@ -144,16 +144,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """GetStats, Abort, SetRole and TokenChannel for any role: ``worker.role`` is read at each call (a switchable
     worker's changes); ``worker.host.extra_stats()`` adds role-specific fields; SetRole calls
     ``worker.set_role(role)`` (returns the previous role; ValueError for an unknown one) and is
-    FAILED_PRECONDITION on a worker without it."""
+    FAILED_PRECONDITION on a worker without it. GetStats names ``kv_tcp``'s port while it listens."""
 
-    def __init__(self, worker) -> None:
-        self.worker = worker
+    def __init__(self, worker, kv_tcp=None) -> None:
+        self.worker, self.kv_tcp = worker, kv_tcp
         self.loop: EngineLoop = worker.host.loop
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
         # read directly: going through the engine thread would wait out a long prefill step
         w = self.worker
-        return worker_pb2.WorkerStats(role=w.role, **self.loop.engine.stats(), **w.host.extra_stats())
+        stats = self.loop.engine.stats() | w.host.extra_stats()
+        port = self.kv_tcp.port if self.kv_tcp is not None else 0
+        return worker_pb2.WorkerStats(role=w.role, kv_tcp_port=port, **stats)
 
     async def SetRole(self, request, context) -> worker_pb2.SetRoleResponse:
         set_role = getattr(self.worker, "set_role", None)
@@ -245,29 +247,35 @@ class RunningWorker:
     worker: object
     server: grpc.aio.Server
     address: str
+    kv_tcp: object | None = None  # the KV data listener (``decode_worker.kv_tcp.KvTcpServer``) of a decode role
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.kv_tcp is not None:
+            await self.kv_tcp.stop()
         await self.server.stop(grace_s)
         await self.worker.host.stop()
 
 
-async def serve_worker(worker, services: list[tuple], host: str, port: int) -> RunningWorker:
+async def serve_worker(worker, services: list[tuple], host: str, port: int, kv_tcp=None) -> RunningWorker:
     """Start ``worker.host`` and a gRPC server with ``services`` ((add_servicer, servicer, service
     name) triples sharing the same engine) + WorkerService.
 
     ``worker`` has ``role`` (str) and ``host`` (EngineHost) attributes (see ``WorkerServicer``). With
     a cluster secret in the environment (``auth.SECRET_ENV``), calls without it are UNAUTHENTICATED.
+    ``kv_tcp``: a ``KvTcpServer`` to start on ``host`` (a free port), which GetStats then names.
     """
     from pdserve.rpc.auth import cluster_secret, require_cluster_secret
     from pdserve.rpc.server import start_server
 
     secret = cluster_secret()
     worker.host.start()
-    stats = WorkerServicer(worker)
+    stats = WorkerServicer(worker, kv_tcp)
+    if kv_tcp is not None:
+        await kv_tcp.start(host)
     server, bound = await start_server(
         [*services, (worker_pb2_grpc.add_WorkerServiceServicer_to_server, stats, "pdserve.v1.WorkerService")],
         host,
         port,
         interceptors=[require_cluster_secret(secret)] if secret else None,
     )
-    return RunningWorker(worker, server, f"{host}:{bound}")
+    return RunningWorker(worker, server, f"{host}:{bound}", kv_tcp)

@@ -85,20 +85,24 @@ async def test_decode_refuses_bad_kv_and_times_out(embedded_dir):
         assert await pipe.wait_idle() == 0
 
 
-async def test_kv_push_is_chunked(stories_dir, monkeypatch):
-    """A long prompt's KV crosses as several messages of <= chunk_bytes (gRPC's 4 MiB limit is never hit)."""
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_kv_push_is_chunked(stories_dir, monkeypatch, transport):
+    """A long prompt's KV crosses as several messages of <= chunk_bytes (gRPC's 4 MiB limit is never
+    hit; the KV data connection's DATA records stay under their own limit)."""
     import pdserve.prefill_worker.kv_sender as kv_sender
+    import pdserve.prefill_worker.kv_tcp_sender as kv_tcp_sender
 
     chunks: list[int] = []
-    real = kv_sender.iter_chunks
+    module = kv_tcp_sender if transport == "tcp" else kv_sender
+    real = module.iter_chunks
 
     def recording(frame, chunk_bytes):
         for piece in real(frame, chunk_bytes):
             chunks.append(len(piece))
             yield piece
 
-    monkeypatch.setattr(kv_sender, "iter_chunks", recording)
-    async with local_pipeline(stories_dir, "split") as pipe, Client(pipe.address) as client:
+    monkeypatch.setattr(module, "iter_chunks", recording)
+    async with local_pipeline(stories_dir, "split", kv_transport=transport) as pipe, Client(pipe.address) as client:
         pipe.workers[0].worker.kv_sender.chunk_bytes = 64 << 10
         res = await client.generate(make_request("Once upon a time " * 100, max_tokens=5, temperature=0))
         assert len(res.token_ids) == 5

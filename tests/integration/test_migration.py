@@ -131,7 +131,8 @@ async def test_a_kv_push_that_decode_never_sees_ends_the_decode_wait_at_once(emb
         assert decode.engine.blocks.num_used == 0 and not decode._pending
 
 
-async def test_a_kv_push_that_cannot_reach_decode_migrates_at_once(embedded_dir, monkeypatch):
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+async def test_a_kv_push_that_cannot_reach_decode_migrates_at_once(embedded_dir, monkeypatch, transport):
     """The decode worker is alive for the router but unreachable from the prefill worker (its
     pushes dial a closed port, as across a network partition): each try's lease is lost at once and
     the request migrates; with every try spent the client gets UNAVAILABLE within a second or two,
@@ -141,10 +142,14 @@ async def test_a_kv_push_that_cannot_reach_decode_migrates_at_once(embedded_dir,
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
-    async with local_pipeline(embedded_dir, "split") as pipe, Client(pipe.address) as client:
+    async with local_pipeline(embedded_dir, "split", kv_transport=transport) as pipe, Client(pipe.address) as client:
         sender = pipe.workers[0].worker.kv_sender
-        dial = sender._push_kv
-        monkeypatch.setattr(sender, "_push_kv", lambda target: dial(closed))
+        if transport == "tcp":  # the KV port it asks for is closed too
+            dial, name = sender._dial, "_dial"
+            monkeypatch.setattr(sender, "_dial", lambda host, port: dial("127.0.0.1", int(closed.split(":")[1])))
+        else:
+            dial, name = sender._push_kv, "_push_kv"
+            monkeypatch.setattr(sender, "_push_kv", lambda target: dial(closed))
         loop = asyncio.get_running_loop()
         t = loop.time()
         res = await asyncio.wait_for(client.generate(make_request("Once upon a time", max_tokens=20)), 10)
@@ -154,7 +159,7 @@ async def test_a_kv_push_that_cannot_reach_decode_migrates_at_once(embedded_dir,
         assert pipe.router.core.metrics.migrations._value.get() == MAX_MIGRATIONS
         assert all(w.healthy for w in pipe.router.core.pool.workers)
         assert await pipe.wait_idle() == 0
-        monkeypatch.setattr(sender, "_push_kv", dial)
+        monkeypatch.setattr(sender, name, dial)
         ok = await client.generate(make_request("hello again", max_tokens=4, ignore_eos=True))
         assert len(ok.token_ids) == 4 and not ok.error
 

@@ -142,7 +142,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint", "cached_kv_blocks", "prefix_query_tokens", "prefix_hit_tokens", "prefill_busy_ns", "decode_busy_ns", "switchable")
+    __slots__ = ("role", "num_waiting", "num_running", "used_kv_blocks", "free_kv_blocks", "block_size", "outstanding_prefill_tokens", "num_awaiting_kv", "model_fingerprint", "cached_kv_blocks", "prefix_query_tokens", "prefix_hit_tokens", "prefill_busy_ns", "decode_busy_ns", "switchable", "kv_tcp_port")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class WorkerStats(_message.Message):
     PREFILL_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
     SWITCHABLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_waiting: int
     num_running: int
@@ -173,7 +174,8 @@ class WorkerStats(_message.Message):
     prefill_busy_ns: int
     decode_busy_ns: int
     switchable: bool
-    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefill_busy_ns: _Optional[int] = ..., decode_busy_ns: _Optional[int] = ..., switchable: _Optional[bool] = ...) -> None: ...
+    kv_tcp_port: int
+    def __init__(self, role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., used_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., outstanding_prefill_tokens: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., cached_kv_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefill_busy_ns: _Optional[int] = ..., decode_busy_ns: _Optional[int] = ..., switchable: _Optional[bool] = ..., kv_tcp_port: _Optional[int] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
     __slots__ = ("role",)
