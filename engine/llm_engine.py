@@ -52,6 +52,9 @@ class LLMEngine(KvHandoff):
         self.runner = (runner_factory or ModelRunner)(cfg, self.model_dir)
         self.clock = clock or time.monotonic_ns
         self.prefill_busy_ns = self.decode_busy_ns = 0  # in steps with a prompt chunk / decode-only steps
+        # called after each step with ([(query tokens, computed before, decoding) per sequence], its start
+        # and end ns (self.clock), the engine thread's CPU ns in it); worker/step_trace.py writes them
+        self.step_trace: Callable[[list, int, int, int], None] | None = None
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(
             self.runner.num_blocks,
@@ -145,6 +148,9 @@ class LLMEngine(KvHandoff):
         for s in batch.seqs:
             if not s.prefill_start_ns:
                 s.prefill_start_ns = now
+        if self.step_trace is not None:
+            rows = [(n, s.num_computed_tokens, s.is_decoding) for s, n in zip(batch.seqs, batch.num_query_tokens)]
+            cpu = time.thread_time_ns()
         try:
             tokens = self.runner.run(batch)
         except Exception as exc:
@@ -152,6 +158,8 @@ class LLMEngine(KvHandoff):
                 self.scheduler.finish(s, FinishReason.ERROR)
             raise StepError(exc, batch.seqs) from exc
         done = self.clock()
+        if self.step_trace is not None:
+            self.step_trace(rows, now, done, time.thread_time_ns() - cpu)
         self.scheduler.observe_step(batch, (done - now) / 1e9)
         if batch.is_prefill:
             self.prefill_busy_ns += done - now

@@ -119,7 +119,10 @@ class EngineHost:
         on_outputs: Callable[[list[StepOutput]], None] | None = None,
         extra_stats: Callable[[], dict] = dict,
     ) -> None:
+        from pdserve.worker.step_trace import attach
+
         self.engine = engine
+        attach(engine)
         self.loop = EngineLoop(engine, on_outputs or self.publish, self._on_step_error)
         self.extra_stats = extra_stats
         self.streams: RequestStreams | None = None

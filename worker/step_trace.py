@@ -1,0 +1,48 @@
+"""Each engine step of a worker as one JSON line, when ``$PDSERVE_STEP_TRACE`` names a folder: what
+the step computed and how long it took, to hold against what a profile's step model predicts for
+the same step (``benchmarks/step_trace.py``).
+
+A line: ``t0`` and ``t1`` (the step's start and end, ns of the engine's clock), ``cpu_ns`` (the
+engine thread's CPU time in the forward: less than ``t1 - t0`` when the thread waited for its core
+or the GIL), ``chunks`` (``[tokens, cached before]`` per prompt chunk), ``b`` (decode rows) and
+``context`` (the positions the decode rows attend to, in all), as ``StepModel.batch_s`` takes them.
+The folder gets one file per worker process, ``steps-<pid>.jsonl``; lines are buffered and written
+as the buffer fills and when the process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from pathlib import Path
+
+ENV = "PDSERVE_STEP_TRACE"
+
+
+class StepTrace:
+    """``LLMEngine.step_trace`` writing to ``folder/steps-<pid>.jsonl`` (OSError when it cannot)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        path = Path(folder) / f"steps-{os.getpid()}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (open for the process's life)
+        atexit.register(self.file.close)
+
+    def __call__(self, rows: list, t0: int, t1: int, cpu_ns: int) -> None:
+        chunks, b, context = [], 0, 0
+        for n, cached, decoding in rows:
+            if decoding and n == 1:
+                b += 1
+                context += cached + 1
+            else:
+                chunks.append([n, cached])
+        line = {"t0": t0, "t1": t1, "cpu_ns": cpu_ns, "chunks": chunks, "b": b, "context": context}
+        self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def attach(engine) -> None:
+    """Trace ``engine``'s steps when ``$PDSERVE_STEP_TRACE`` is set."""
+    folder = os.environ.get(ENV)
+    if folder:
+        engine.step_trace = StepTrace(folder)
