@@ -6,13 +6,12 @@ A line: ``t0`` and ``t1`` (the step's start and end, ns of the engine's clock), 
 engine thread's CPU time in the forward: less than ``t1 - t0`` when the thread waited for its core
 or the GIL), ``chunks`` (``[tokens, cached before]`` per prompt chunk), ``b`` (decode rows) and
 ``context`` (the positions the decode rows attend to, in all), as ``StepModel.batch_s`` takes them.
-The folder gets one file per worker process, ``steps-<pid>.jsonl``; lines are buffered and written
-as the buffer fills and when the process ends.
+The folder gets one file per worker process, ``steps-<pid>.jsonl``, each line written as its step
+ends (a worker may be killed rather than stopped).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 from pathlib import Path
@@ -26,8 +25,7 @@ class StepTrace:
     def __init__(self, folder: str | Path) -> None:
         path = Path(folder) / f"steps-{os.getpid()}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (open for the process's life)
-        atexit.register(self.file.close)
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered: a worker may be killed)
 
     def __call__(self, rows: list, t0: int, t1: int, cpu_ns: int) -> None:
         chunks, b, context = [], 0, 0
