@@ -13,7 +13,8 @@ from pdserve.engine.models.registry import Family, architecture_of, family
 KV_DTYPES = ("float32", "float16", "bfloat16")
 # a prefill worker's KV hand-off: one frame after the prefill, or each layer while it runs (layer_stream.py)
 KV_STREAMS = ("whole", "layer")
-DEFAULT_KV_STREAM = "layer"  # the lower TTFT at 1,024 tokens on 2 CPU cores (docs/measurements.md)
+# over TCP, the lower median TTFT of split placement under load on 2 CPU cores (docs/measurements.md)
+DEFAULT_KV_STREAM = "whole"
 KV_TRANSPORTS = ("tcp", "grpc")  # tcp: several times gRPC's bytes per second on loopback (docs/measurements.md)
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, of the decoder's linears (engine/models/quant.py)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
