@@ -6,22 +6,21 @@ Each point is the median of ``repeats`` timed runs, spread over a few passes ove
 pass of a point after ``warmup`` untimed runs of the same shape. A step is timed with
 ``time.perf_counter`` around ``LLMEngine.step()``, which returns once the sampled tokens are on the
 host, so a GPU step is timed whole. The engine is driven directly (``add_request``, ``admit_kv``,
-``step``):
+``step``), on a CPU with one thread pinned to one core as ``pdserve serve`` pins such a worker:
 
 - prefill: a prompt of ``n`` random tokens in one step (``max_tokens`` 1); with a cached prefix,
   the prefix is sent first, and each timed prompt shares its first ``c`` tokens, which the engine
-  must report cached (``Sequence.num_cached_tokens``); and ``k`` prompts of ``n`` tokens at once,
-  all in one step;
+  must report cached (``Sequence.num_cached_tokens``); and ``k`` prompts of ``n`` tokens at once;
 - decode: ``b`` sequences admitted with random KV of ``L`` tokens each by ``admit_kv`` (the decode
   worker's path: no prefill is computed for them), then pure decode steps of the whole batch;
-- mixed: a fresh prompt beside ``d`` such decoding sequences of ``L`` tokens, in one chunked-prefill
-  step;
-- hand-off: ``planner.handoff``, to a real decode worker over loopback gRPC.
+- mixed: a fresh prompt beside ``d`` such decoding sequences of ``L`` tokens, in one step;
+- hand-off: ``planner.handoff``, to a real decode worker on loopback (its ``--kv-transport``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import random
@@ -42,6 +41,7 @@ from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.planner.grid import Grid, Limits, batched_points, cached_points, decode_points, fit_grid, mixed_points
 from pdserve.planner.handoff import measure_handoff
 from pdserve.planner.step_model import SCHEMA, fit_profile
+from pdserve.worker.cpus import pinned_thread, worker_cpu
 
 CPU_FLAGS = ("avx2", "avx512f", "amx_bf16")
 TIMER = (
@@ -271,10 +271,12 @@ def run_profile(
     for note in notes:
         say(f"skipped: {note}")
     st = Stepper(engine, grid)
-    st.run_to_end(st.ids(min(64, lim.room - 1)))  # warms the kernels up
-    sections = [prefill_section(st, lim), decode_section(st, lim), decode_section(st, lim, mixed=True)]
-    points = measure_steps(st, sections, say)
-    points["handoff"], transport = asyncio.run(measure_handoff(engine, grid, st.ids, say))
+    cpu = worker_cpu(cfg.device, cfg.torch_threads)  # pinned as pdserve serve pins a worker
+    with pinned_thread([cpu]) if cpu is not None else contextlib.nullcontext():
+        st.run_to_end(st.ids(min(64, lim.room - 1)))  # warms the kernels up
+        sections = [prefill_section(st, lim), decode_section(st, lim), decode_section(st, lim, mixed=True)]
+        points = measure_steps(st, sections, say)
+        points["handoff"], transport = asyncio.run(measure_handoff(engine, grid, st.ids, say))
     settings = {
         "model_spec": cfg.model,
         "block_size": cfg.block_size,
@@ -289,6 +291,7 @@ def run_profile(
         "decode_batches": "admitted by LLMEngine.admit_kv with random KV (the decode worker's path)",
         "mixed_context_tokens": list(grid.mixed_contexts),
         "handoff_transport": transport,
+        "pinned_cpu": cpu,
         "skipped": notes,
     }
     profile = {"schema": SCHEMA, "machine": machine(engine), "settings": settings, "points": points}

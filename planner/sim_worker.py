@@ -35,6 +35,7 @@ class SimWorker:
         self.busy = False
         self.outputs: list[StepOutput] = []  # of the step under way, handled when it ends
         self.awaiting_kv = 0  # requests routed here whose KV has not been admitted
+        self.sending_until = 0.0  # when the KV hand-offs it started stop taking its core (a prefill worker)
         self.path = ServingModel()  # its role's serving path (Simulator.set_role)
 
 

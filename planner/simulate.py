@@ -9,7 +9,11 @@ The serving path (``ServingPaths``, the profile's ``serving`` fits): a request p
 decodes pays the colocated path's costs, one prefilled on a prefill worker the split path's; a
 colocated or decode worker's steps pay their path's ``step_extra_s``, a prefill worker's none (its
 cost is in ``k_prefill`` and ``f0``), and every worker's prefill steps take ``k_prefill`` times the
-engine's predicted time.
+engine's predicted time. A prefill worker's core also sends the KV it hands off: each hand-off
+takes ``StepModel.handoff_s`` of its core (the profile measures the hand-off with both ends in one
+process, so that time is about the work of one core), and a step that starts while hand-offs still
+run takes what remains of them longer (a loaded prefill worker's steps measured 1.18-1.23x the
+profile's engine with whole frames, 1.10x with one request at a time; docs/measurements.md).
 
 Events (a heap of virtual times): arrivals at their send times plus the router's time for a new
 request (``ServingModel.r0``); a worker's step, which runs ``LLMEngine.step`` and ends after the
@@ -165,7 +169,7 @@ class Simulator:
         w.clock.now_s = t
         if w.engine.has_work():
             w.outputs = w.engine.step()
-            extra = 0.0 if w.role == "prefill" else w.path.step_extra_s(len(w.outputs))
+            extra = self._sending(w, t) if w.role == "prefill" else w.path.step_extra_s(len(w.outputs))
             if w.outputs:  # the step's message to the router
                 self.host.charge_router(t, w.path.rs)
             busy = sum(x.busy for x in self.workers) * self.threads
@@ -174,6 +178,13 @@ class Simulator:
             w.busy = False
         else:
             self._push(w.clock.now_s, STEP, w)
+
+    @staticmethod
+    def _sending(w: SimWorker, t: float) -> float:
+        """Seconds of ``w``'s KV sends still to run when its step starts at ``t``: the step shares
+        the core with them and takes that much longer."""
+        left, w.sending_until = max(0.0, w.sending_until - t), t
+        return left
 
     # -- one request ----------------------------------------------------------------------------
     def _arrive(self, t: float, spec: RequestSpec) -> None:
@@ -248,7 +259,9 @@ class Simulator:
             else:
                 payload = w.engine.extract_kv(seq, skip_tokens=r.held)
                 r.rec.kv_transfer_bytes = payload.kv.nbytes
-                self._push(t + self.model.handoff_s(payload.kv.nbytes), KV, (r, payload))
+                handoff = self.model.handoff_s(payload.kv.nbytes)
+                w.sending_until = max(w.sending_until, t) + handoff  # its core's share of the hand-off
+                self._push(t + handoff, KV, (r, payload))
         elif seq.is_finished:
             if r.decode is None:  # colocated, or prefilled on decode: served when it ends
                 self.pool.served(w.handle, list(r.spec.prompt_token_ids) + r.output[:-1])

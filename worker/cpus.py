@@ -3,6 +3,7 @@ serve``'s workers, and the serving probe's of ``pdserve profile``, pinned alike)
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -41,3 +42,25 @@ def process_affinity() -> list[int]:
         except ProcessLookupError:
             pass
     return sorted(allowed)
+
+
+@contextlib.contextmanager
+def pinned_thread(cpus: list[int]):
+    """The calling thread pinned to ``cpus`` for the block (threads it starts meanwhile inherit the
+    mask), its own mask restored after."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def worker_cpu(device: str, threads: int | None) -> int | None:
+    """The CPU to pin a measurement of one worker's engine to, as ``pdserve serve`` pins a worker of
+    one thread (the first of this process's CPUs); None on a GPU, with other thread counts, or off
+    Linux. A thread left to move between cores loses its caches: on a 2-core Xeon the decode steps
+    of 2-8 rows took 1.2x a pinned thread's (docs/measurements.md)."""
+    if device != "cpu" or threads != 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    return min(os.sched_getaffinity(0))

@@ -154,6 +154,19 @@ def test_split_first_decode_token_waits_for_the_handoff():
     assert split.e2e_s - colocated.e2e_s == pytest.approx(handoff)
 
 
+def test_a_prefill_step_beside_a_kv_send_takes_the_send_longer():
+    """The prefill worker's core sends the first prompt's KV while it prefills the second."""
+    model = StepModel.from_profile(toy_profile(h0=0.02))
+    engine = EngineConfig(model="embedded", max_num_batched_tokens=100)  # one 100-token prompt a step
+    specs = [RequestSpec(i, 0.0, tuple(range(3 + i, 103 + i)), 4, "random") for i in range(2)]
+    first, second = sorted(
+        Simulator(SimConfig(engine, "split", relay_s=0.0), model, "float32").run(specs), key=lambda r: r.ttft_s
+    )
+    prefill, handoff = model.prefill_s(100), model.handoff_s(first.kv_transfer_bytes)
+    assert first.ttft_s == pytest.approx(prefill)
+    assert second.ttft_s == pytest.approx(2 * prefill + handoff)
+
+
 def with_coefficient(section: str, name: str, value: float) -> dict:
     """``toy_profile()`` with one coefficient replaced."""
     p = toy_profile()
