@@ -38,6 +38,20 @@ class SimWorker:
         self.sending_until = 0.0  # when the KV hand-offs it started stop taking its core (a prefill worker)
         self.path = ServingModel()  # its role's serving path (Simulator.set_role)
 
+    def send_kv(self, t: float, seconds: float) -> float:
+        """A KV hand-off of ``seconds`` starts at ``t``; its sending takes this worker's core after
+        the hand-offs still running (a loaded prefill worker's steps measured 1.18-1.23x the
+        profile's engine with whole frames, 1.10x one request at a time; docs/measurements.md).
+        Returns ``seconds``."""
+        self.sending_until = max(self.sending_until, t) + seconds
+        return seconds
+
+    def sending_left(self, t: float) -> float:
+        """Seconds of KV sends still to run at ``t``, taken into a step that starts then (a step
+        sharing the core with them takes that much longer)."""
+        left, self.sending_until = max(0.0, self.sending_until - t), t
+        return left
+
 
 @dataclass
 class SimRequest:

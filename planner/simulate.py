@@ -9,22 +9,18 @@ The serving path (``ServingPaths``, the profile's ``serving`` fits): a request p
 decodes pays the colocated path's costs, one prefilled on a prefill worker the split path's; a
 colocated or decode worker's steps pay their path's ``step_extra_s``, a prefill worker's none (its
 cost is in ``k_prefill`` and ``f0``), and every worker's prefill steps take ``k_prefill`` times the
-engine's predicted time. A prefill worker's core also sends the KV it hands off: each hand-off
-takes ``StepModel.handoff_s`` of its core (the profile measures the hand-off with both ends in one
-process, so that time is about the work of one core), and a step that starts while hand-offs still
-run takes what remains of them longer (a loaded prefill worker's steps measured 1.18-1.23x the
-profile's engine with whole frames, 1.10x with one request at a time; docs/measurements.md).
+engine's predicted time. A prefill worker's core also sends its KV hand-offs (``SimWorker.send_kv``),
+so a step that starts while they run takes the rest of them longer (``SimWorker.sending_left``).
 
 Events (a heap of virtual times): arrivals at their send times plus the router's time for a new
 request (``ServingModel.r0``); a worker's step, which runs ``LLMEngine.step`` and ends after the
 predicted time plus the serving path's (``ServingModel.step_extra_s``), stretched while the workers,
 router and clients want more than ``host_cores`` (``HostCpu``), its tokens then relayed to the
-client (``ServingModel.r1``, ``relay_s``; a first token also ``f0``); a KV
-hand-off reaching its decode worker after ``StepModel.handoff_s`` of its bytes (``admit_kv``,
-retried and then preempting as the decode worker does); a split request's prefill starting once its
-decode worker has held its prefix, which that worker's engine does between two steps (the real
-``Decode`` call waits for it before the router sends the prompt to prefill); a stats poll every
-``STATS_INTERVAL_S``.
+client (``ServingModel.r1``, ``relay_s``; a first token also ``f0``); a KV hand-off reaching its
+decode worker after ``StepModel.handoff_s`` of its bytes (``admit_kv``, retried and then preempting
+as the decode worker does); a split request's prefill starting once its decode worker has held its
+prefix, which that worker's engine does between two steps (the real ``Decode`` call waits for it
+before the router sends the prompt to prefill); a stats poll every ``STATS_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -169,7 +165,7 @@ class Simulator:
         w.clock.now_s = t
         if w.engine.has_work():
             w.outputs = w.engine.step()
-            extra = self._sending(w, t) if w.role == "prefill" else w.path.step_extra_s(len(w.outputs))
+            extra = w.sending_left(t) if w.role == "prefill" else w.path.step_extra_s(len(w.outputs))
             if w.outputs:  # the step's message to the router
                 self.host.charge_router(t, w.path.rs)
             busy = sum(x.busy for x in self.workers) * self.threads
@@ -178,13 +174,6 @@ class Simulator:
             w.busy = False
         else:
             self._push(w.clock.now_s, STEP, w)
-
-    @staticmethod
-    def _sending(w: SimWorker, t: float) -> float:
-        """Seconds of ``w``'s KV sends still to run when its step starts at ``t``: the step shares
-        the core with them and takes that much longer."""
-        left, w.sending_until = max(0.0, w.sending_until - t), t
-        return left
 
     # -- one request ----------------------------------------------------------------------------
     def _arrive(self, t: float, spec: RequestSpec) -> None:
@@ -259,9 +248,7 @@ class Simulator:
             else:
                 payload = w.engine.extract_kv(seq, skip_tokens=r.held)
                 r.rec.kv_transfer_bytes = payload.kv.nbytes
-                handoff = self.model.handoff_s(payload.kv.nbytes)
-                w.sending_until = max(w.sending_until, t) + handoff  # its core's share of the hand-off
-                self._push(t + handoff, KV, (r, payload))
+                self._push(t + w.send_kv(t, self.model.handoff_s(payload.kv.nbytes)), KV, (r, payload))
         elif seq.is_finished:
             if r.decode is None:  # colocated, or prefilled on decode: served when it ends
                 self.pool.served(w.handle, list(r.spec.prompt_token_ids) + r.output[:-1])
