@@ -3,26 +3,20 @@
 For each dtype and prompt length it prefills one prompt on ``embedded:llama-80m`` and times, with
 min-of-N, every stage of the hand-off on its own and the whole hand-off end to end:
 
-- ``read``:   ``ModelRunner.read_kv`` out of the prefill engine's paged cache (into the prefill worker's
-              reused host buffers, where it has them)
-- ``pack``:   serialising the payload the way the prefill worker does (header, tensor bytes, checksum)
-- ``push``:   chunking + sending a packed frame over the row's transport (``grpc``: the ``PushKv``
-              call; ``tcp``: the KV data connection, ``--kv-transport tcp``), until the decode worker
-              holds the decoded payload (a decoder that checks and copies chunks as they arrive does
-              ``unpack``'s work here)
-- ``unpack``: decoding a whole frame (all checks, checksum, copy into the tensor; into the decode
-              worker's reused host buffers, where it has them)
-- ``write``:  ``ModelRunner.write_kv`` into the decode engine's paged cache (on its engine thread)
-- ``e2e``:    read + the prefill worker's push (``PrefillWorker._push``) to a real decode worker server
-              on 127.0.0.1, which decodes and admits the KV before PushKv returns.  GB/s and the TTFT
-              share are computed from this.
+- ``read``: ``ModelRunner.read_kv`` out of the prefill engine's paged cache (into the prefill
+  worker's reused host buffers); ``pack``: serialising the payload as the prefill worker does;
+- ``push``: sending a packed frame over the row's transport (``grpc``: ``PushKv``; ``tcp``: the KV
+  data connection) until the decode worker holds the decoded payload (checked and copied as it
+  arrives);
+- ``unpack``: decoding a whole frame (all checks, checksum, copy into the decode worker's buffers);
+  ``write``: ``ModelRunner.write_kv`` into the decode engine's paged cache (on its engine thread);
+- ``e2e``: read + the prefill worker's push (``PrefillWorker._push``) to a real decode worker on
+  127.0.0.1, which decodes and admits the KV before the push returns; GB/s and the TTFT share
+  (TTFT: this run's min-of-N prefill of the prompt plus ``e2e``) come from it.
 
-TTFT is the prefill time of the same prompt (min-of-N, measured in this run) plus ``e2e``.  The
-decode worker runs in this process (like the integration tests), on its own engine thread and gRPC
-server; with ``--decode-process`` the ``e2e`` hand-offs go to a decode worker in a child process
-instead, as in split placement (the stage columns are still measured here).  Lengths are capped at
-the model's context minus 2 (one more token is decoded after the hand-off).  The machine may be
-shared: only the minimum of N runs is reported.
+The decode worker runs in this process, on its own engine thread and gRPC server; with
+``--decode-process`` the ``e2e`` hand-offs go to one in a child process, as in split placement.
+Lengths are capped at the model's context minus 2. Only the minimum of N runs is reported.
 
     python benchmarks/kv_handoff.py                       # 256/1024/4096 tokens, float32 + bfloat16
     python benchmarks/kv_handoff.py --lengths 1024 --dtypes bfloat16 --repeats 30 --decode-process
@@ -46,7 +40,7 @@ import torch
 
 import pdserve.decode_worker.worker as decode
 import pdserve.prefill_worker.worker as prefill_mod
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import KV_DTYPES, EngineConfig, ModelConfig
 from pdserve.engine.kv import codec
 from pdserve.engine.kv.codec import KvPayload, pack_kv, unpack_kv
 from pdserve.engine.llm_engine import LLMEngine
@@ -56,6 +50,7 @@ from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.prefill_worker.kv_sender import GrpcKvSender
 from pdserve.prefill_worker.kv_tcp_sender import TcpKvSender
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.worker.flags import positive_int
 
 MODEL = "embedded:llama-80m"
 SERIALIZE = getattr(prefill_mod, "encode_kv", None) or prefill_mod.pack_kv  # the prefill worker's (older: pack_kv)
@@ -263,9 +258,9 @@ async def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="256,1024,4096", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--repeats", type=int, default=10, help="N of min-of-N for every hand-off stage")
-    p.add_argument("--prefill-repeats", type=int, default=3, help="N of min-of-N for the prefill")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=10, help="N of min-of-N for every hand-off stage")
+    p.add_argument("--prefill-repeats", type=positive_int, default=3, help="N of min-of-N for the prefill")
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--chunk-bytes", type=int, default=0, help="gRPC's KV chunk size (default: GrpcKvSender's)")
     p.add_argument("--transports", default="grpc,tcp", help="KV transports to time, comma-separated: grpc, tcp")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -273,17 +268,22 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--serve-decode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not set(args.transports.split(",")) <= {"grpc", "tcp"}:
-        p.error(f"--transports: each of grpc, tcp; got {args.transports!r}")
+    checks = (("--transports", args.transports, ("grpc", "tcp")), ("--dtypes", args.dtypes, KV_DTYPES))
+    for flag, value, allowed in checks:
+        if not set(value.split(",")) <= set(allowed):
+            p.error(f"{flag}: each of {', '.join(allowed)}; got {value!r}")
+    if not all(x.strip().isdigit() and int(x) > 0 for x in args.lengths.split(",")):
+        p.error(f"--lengths: positive numbers of tokens, comma-separated; got {args.lengths!r}")
+    args.transports = ",".join(dict.fromkeys(args.transports.split(",")))  # each once
     if args.serve_decode:
         await serve_decode(args)
         return 0
     ctx = ModelConfig.from_folder(resolve_model_dir(MODEL)).max_position_embeddings
-    lengths = [min(int(x), ctx - 2) for x in args.lengths.split(",")]
+    lengths = [min(int(x), ctx - 2) for x in args.lengths.split(",")]  # capped at the context (printed)
     where = "a decode worker process" if args.decode_process else "this process"
     print(
         f"{MODEL}, block_size {args.block_size}, min of {args.repeats} (prefill: {args.prefill_repeats}); "
-        f"stage times in ms; e2e to {where}",
+        f"stage times in ms; e2e to {where}; lengths {lengths} (the context holds {ctx})",
         flush=True,
     )
     print(HEADER)

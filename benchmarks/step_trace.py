@@ -39,6 +39,24 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def read_steps(path: Path) -> tuple[list[dict], int]:
+    """The steps of one trace file and how many of its lines are no step (a line cut short when its
+    worker was killed, anything else): those are skipped."""
+    steps, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            s = json.loads(line)
+            ok = isinstance(s, dict) and s["t1"] > s["t0"] and s["cpu_ns"] >= 0 and s["b"] >= 0
+            ok = ok and s["context"] >= 0 and all(n > 0 and c >= 0 for n, c in s["chunks"])
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            steps.append(s)
+        elif line.strip():
+            bad += 1
+    return steps, bad
+
+
 def rows(steps: list[dict], model: StepModel) -> list[dict]:
     """One summary per kind of step present in ``steps``."""
     out = []
@@ -76,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         model = StepModel.from_profile(json.loads(Path(args.profile).read_text()))
     except (OSError, ValueError) as exc:
         p.error(f"--profile: {exc}")
+    if not Path(args.folder).is_dir():
+        p.error(f"{args.folder}: no such folder")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        p.error(f"--json {args.json}: no such folder")
     files = sorted(Path(args.folder).glob("steps-*.jsonl"))
     if not files:
         p.error(f"no steps-*.jsonl in {args.folder} (was PDSERVE_STEP_TRACE set for the workers?)")
@@ -83,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     print(head + "".join(f"{h:>7}" for h in ("p50", "p10", "p90", "sum")) + f"{'cpu':>6}")
     table = []
     for f in files:
-        steps = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        steps, bad = read_steps(f)
+        if bad or not steps:
+            print(f"{f.name}: {len(steps)} steps; {bad} lines skipped (not steps: cut short or damaged)")
         for r in rows(steps, model):
             table.append({"file": f.name, **r})
             print(

@@ -15,6 +15,7 @@ from pdserve.rpc.auth import cluster_secret
 log = logging.getLogger(__name__)
 OPEN_FIELDS = {"request_id": str, "timeout_s": (int, float)}
 REFUSAL_LINGER_S = 2.0  # how long a refused push's remaining bytes are read before the connection closes
+IDLE_CLOSE_S = 300.0  # a connection that starts no push for this long is closed (senders keep theirs 60 s)
 MAX_PUSH_S = 3600.0  # the longest deadline a sender may ask for
 
 
@@ -22,8 +23,9 @@ class KvTcpServer:
     """Serves pushes for ``receiver`` (a ``DecodeWorker``) on ``host``; :meth:`start` returns the port.
 
     With a cluster secret in the environment, an OPEN without it is refused (UNAUTHENTICATED) and
-    the connection closed. A push past the sender's ``timeout_s`` is refused (DEADLINE_EXCEEDED).
-    A connection that breaks the record format is closed; other connections keep going.
+    the connection closed. A push past the sender's ``timeout_s`` is refused (DEADLINE_EXCEEDED). A
+    connection that breaks the record format, or starts no push for ``IDLE_CLOSE_S``, is closed;
+    other connections keep going.
     """
 
     def __init__(self, receiver) -> None:
@@ -65,13 +67,16 @@ class KvTcpServer:
             conn.transport.close()
 
     async def _push(self, conn: RecordReader) -> bool:
-        """Serve one push; False when the connection is to close (after a refusal)."""
+        """Serve one push; False when the connection is to close (after a refusal, or idle)."""
         try:
-            kind, payload = await conn.read()
+            async with asyncio.timeout(IDLE_CLOSE_S):
+                kind, payload = await conn.read()
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 raise
             return False  # the sender closed between pushes
+        except TimeoutError:
+            return False
         if kind != wire.OPEN:
             raise wire.WireError(f"expected OPEN, got {wire.KINDS[kind]}")
         fields = wire.read_control(payload, OPEN_FIELDS)

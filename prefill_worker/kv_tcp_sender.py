@@ -4,6 +4,7 @@ connection to the decode worker's KV port, which the worker's GetStats gives (``
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,6 +19,7 @@ from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 TCP_CHUNK_BYTES = 1 << 20  # bytes a DATA record carries at most: the receiver checks each while the next arrives
+POOL_IDLE_S = 60.0  # an idle connection older than this is not reused (receivers close theirs after 300 s)
 REPLY_GRACE_S = 1.0  # after a write fails, how long a refusal the receiver sent first may take to be read
 
 
@@ -78,8 +80,8 @@ class TcpKvSender:
     async def _connect(self, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         idle = self._idle.get(target, [])
         while idle:
-            reader, writer = idle.pop()
-            if not reader.at_eof() and not writer.is_closing():
+            reader, writer, since = idle.pop()
+            if not reader.at_eof() and not writer.is_closing() and time.monotonic() - since < POOL_IDLE_S:
                 return reader, writer
             writer.close()
         host = target.rsplit(":", 1)[0].strip("[]")
@@ -116,7 +118,7 @@ class TcpKvSender:
             if conn is not None and not reusable:
                 conn[1].close()
         if reusable:
-            self._idle.setdefault(target, []).append(conn)
+            self._idle.setdefault(target, []).append((*conn, time.monotonic()))
         if kind == wire.ERROR:
             error = wire.read_control(payload, {"code": str, "message": str})
             code, message = error["code"], error["message"]
@@ -126,7 +128,7 @@ class TcpKvSender:
 
     async def close(self) -> None:
         for conns in self._idle.values():
-            for _, writer in conns:
+            for _, writer, _ in conns:
                 writer.close()
         self._idle.clear()
         await self.fallback.close()

@@ -43,4 +43,7 @@ def attach(engine) -> None:
     """Trace ``engine``'s steps when ``$PDSERVE_STEP_TRACE`` is set."""
     folder = os.environ.get(ENV)
     if folder:
-        engine.step_trace = StepTrace(folder)
+        try:
+            engine.step_trace = StepTrace(folder)
+        except OSError as exc:
+            raise OSError(f"${ENV}={folder}: cannot write the step trace there: {exc}") from exc

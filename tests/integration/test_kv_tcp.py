@@ -207,3 +207,27 @@ def test_the_transport_is_a_flag_and_a_wrong_one_is_named():
     assert engine_config_from_args(parser.parse_args(["--kv-transport", "grpc"]), device="cpu").kv_transport == "grpc"
     with pytest.raises(ValueError, match="kv_transport must be one of tcp, grpc, got 'udp'"):
         EngineConfig(model="embedded", kv_transport="udp")
+
+
+async def test_idle_connections_are_closed_and_not_reused_when_old(decode, monkeypatch):
+    import pdserve.decode_worker.kv_tcp as kv_tcp
+    import pdserve.prefill_worker.kv_tcp_sender as kv_tcp_sender
+
+    running, stub = decode
+    monkeypatch.setattr(kv_tcp, "IDLE_CLOSE_S", 0.3)
+    sender = TcpKvSender(NoGrpc())
+    reader, writer = await asyncio.open_connection("127.0.0.1", await sender._port(running.address))
+    writer.write(wire.PREFACE)  # a connection that starts no push
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the worker
+    writer.close()
+    stream = await waiting(stub, "first")
+    await sender.send_kv_stream(running.address, "first", frames(frames_for(running.worker.engine, "first")))
+    (old,) = sender._idle[running.address]
+    monkeypatch.setattr(kv_tcp_sender, "POOL_IDLE_S", 0.0)  # the pooled connection is now too old
+    stream2 = await waiting(stub, "second")
+    await sender.send_kv_stream(running.address, "second", frames(frames_for(running.worker.engine, "second")))
+    (new,) = sender._idle[running.address]
+    assert new[1] is not old[1] and old[1].is_closing()
+    for s in (stream, stream2):
+        assert sum(len(b.token_ids) for b in [b async for b in s]) == 3
+    await sender.close()

@@ -53,3 +53,21 @@ def test_the_script_holds_steps_against_the_model(embedded_dir, tmp_path, monkey
     wall = sorted((s["t1"] - s["t0"]) / 1e9 for s in steps if not s["chunks"])
     assert rows["decode"]["predicted_ms"] == 1.0
     assert abs(rows["decode"]["ratio_sum"] - sum(wall) / 2e-3) < 1e-9
+
+
+def test_lines_that_are_no_steps_are_skipped_and_counted(embedded_dir, tmp_path, monkeypatch):
+    steps = traced_steps(embedded_dir, tmp_path, monkeypatch)
+    (path,) = tmp_path.glob("steps-*.jsonl")
+    whole = path.read_text()
+    path.write_text(whole + '{"t0": 5, "t1": 1, "cpu_ns": 0, "chunks": [], "b": 1, "context": 2}\n[1]\n' + whole[:40])
+    read, bad = load_script("step_trace").read_steps(path)
+    assert read == steps and bad == 3  # time running backwards, no step, a line cut short
+
+
+def test_a_trace_folder_that_cannot_be_written_is_named(embedded_dir, tmp_path, monkeypatch):
+    import pytest
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv(step_trace.ENV, str(tmp_path / "afile" / "sub"))
+    with pytest.raises(OSError, match="PDSERVE_STEP_TRACE="):
+        EngineHost(LLMEngine(EngineConfig(model=str(embedded_dir), dtype="float32")))
