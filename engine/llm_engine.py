@@ -21,6 +21,7 @@ from pdserve.engine.kv_handoff import KvHandoff
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.loader import config_hash, resolve_model_dir, weights_hash
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.batch import batch_shape
 from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.scheduler import Scheduler
 from pdserve.engine.scheduling.sequence import FinishReason, Sequence
@@ -52,9 +53,9 @@ class LLMEngine(KvHandoff):
         self.runner = (runner_factory or ModelRunner)(cfg, self.model_dir)
         self.clock = clock or time.monotonic_ns
         self.prefill_busy_ns = self.decode_busy_ns = 0  # in steps with a prompt chunk / decode-only steps
-        # called after each step with ([(query tokens, computed before, decoding) per sequence], its start
-        # and end ns (self.clock), the engine thread's CPU ns in it); worker/step_trace.py writes them
-        self.step_trace: Callable[[list, int, int, int], None] | None = None
+        # called after each step with its ``batch_shape``, its start and end ns (self.clock) and the engine
+        # thread's CPU ns in it; worker/step_trace.py writes them
+        self.step_trace: Callable[[tuple, int, int, int], None] | None = None
         self.model_cfg = self.runner.model_cfg
         self.blocks = BlockManager(
             self.runner.num_blocks,
@@ -149,8 +150,7 @@ class LLMEngine(KvHandoff):
             if not s.prefill_start_ns:
                 s.prefill_start_ns = now
         if self.step_trace is not None:
-            rows = [(n, s.num_computed_tokens, s.is_decoding) for s, n in zip(batch.seqs, batch.num_query_tokens)]
-            cpu = time.thread_time_ns()
+            shape, cpu = batch_shape(batch), time.thread_time_ns()
         try:
             tokens = self.runner.run(batch)
         except Exception as exc:
@@ -159,7 +159,7 @@ class LLMEngine(KvHandoff):
             raise StepError(exc, batch.seqs) from exc
         done = self.clock()
         if self.step_trace is not None:
-            self.step_trace(rows, now, done, time.thread_time_ns() - cpu)
+            self.step_trace(shape, now, done, time.thread_time_ns() - cpu)
         self.scheduler.observe_step(batch, (done - now) / 1e9)
         if batch.is_prefill:
             self.prefill_busy_ns += done - now

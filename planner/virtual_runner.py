@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import kv_pool_blocks
-from pdserve.engine.scheduling.batch import Batch
+from pdserve.engine.scheduling.batch import Batch, batch_shape
 from pdserve.engine.scheduling.kv_groups import kv_groups
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.planner.step_model import StepModel
@@ -25,19 +25,6 @@ class VirtualClock:
     def ns(self) -> int:
         """The time in integer nanoseconds (``LLMEngine``'s ``clock``)."""
         return round(self.now_s * 1e9)
-
-
-def batch_shape(batch: Batch) -> tuple[list[tuple[int, int]], int, int]:
-    """``(chunks, b, total_context)`` of a scheduled batch: each prompt chunk as ``(tokens, cached
-    before it)``, the decode rows and the positions they attend to in all (``StepModel.batch_s``)."""
-    chunks, b, context = [], 0, 0
-    for seq, n in zip(batch.seqs, batch.num_query_tokens):
-        if seq.is_decoding and n == 1:
-            b += 1
-            context += seq.num_computed_tokens + 1
-        else:
-            chunks.append((n, seq.num_computed_tokens))
-    return chunks, b, context
 
 
 class VirtualRunner:

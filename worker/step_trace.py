@@ -27,14 +27,8 @@ class StepTrace:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered: a worker may be killed)
 
-    def __call__(self, rows: list, t0: int, t1: int, cpu_ns: int) -> None:
-        chunks, b, context = [], 0, 0
-        for n, cached, decoding in rows:
-            if decoding and n == 1:
-                b += 1
-                context += cached + 1
-            else:
-                chunks.append([n, cached])
+    def __call__(self, shape: tuple, t0: int, t1: int, cpu_ns: int) -> None:
+        chunks, b, context = shape  # engine.scheduling.batch.batch_shape
         line = {"t0": t0, "t1": t1, "cpu_ns": cpu_ns, "chunks": chunks, "b": b, "context": context}
         self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
 

@@ -28,6 +28,20 @@ class Batch:
         return sum(1 for s, n in zip(self.seqs, self.num_query_tokens) if s.is_decoding and n == 1)
 
 
+def batch_shape(batch: Batch) -> tuple[list[tuple[int, int]], int, int]:
+    """``(chunks, b, total_context)`` of a scheduled batch, before it runs: each prompt chunk as
+    ``(tokens, cached before it)``, the decode rows and the positions they attend to in all (what
+    ``planner.step_model.StepModel.batch_s`` takes, and ``LLMEngine.step_trace`` gets)."""
+    chunks, b, context = [], 0, 0
+    for seq, n in zip(batch.seqs, batch.num_query_tokens):
+        if seq.is_decoding and n == 1:
+            b += 1
+            context += seq.num_computed_tokens + 1
+        else:
+            chunks.append((n, seq.num_computed_tokens))
+    return chunks, b, context
+
+
 @dataclass
 class Completed:
     """What a finished step did to one sequence: ``token`` is None for a prefill chunk that did not

@@ -16,11 +16,11 @@ from pdserve.engine.config import EngineConfig, ModelConfig, for_role
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.models.embedded import embedded_model_dir
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.batch import batch_shape
 from pdserve.loadgen.metrics import SLO, summarize
 from pdserve.loadgen.workload import RequestSpec
 from pdserve.planner.simulate import SimConfig, Simulator
 from pdserve.planner.step_model import SCHEMA, StepModel
-from pdserve.planner.virtual_runner import batch_shape
 
 BENCH_EXTRA_KEYS = {
     "placement",
