@@ -9,7 +9,7 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from pdserve.engine.kv.tcp_wire import DATA, KINDS, MAX_CONTROL_BYTES, MAX_DATA_BYTES, RECORD, WireError
+from pdserve.engine.kv.tcp_wire import RECORD, WireError, check_header
 
 STAGING_BYTES = 256 << 10  # headers and records that arrive whole are read here first
 MAX_BUFFERED_BYTES = 32 << 20  # received records not yet read; the socket is not read past this
@@ -105,12 +105,7 @@ class RecordReader(asyncio.BufferedProtocol):
                 raise WireError("not a KV data connection (bad preface)")
             pos, self._preface = len(self._preface), b""
         while self._staged - pos >= RECORD.size:
-            kind, nbytes = RECORD.unpack_from(self._staging, pos)
-            if kind not in KINDS:
-                raise WireError(f"unknown KV record kind {kind}")
-            limit = MAX_DATA_BYTES if kind == DATA else MAX_CONTROL_BYTES
-            if nbytes > limit:
-                raise WireError(f"KV {KINDS[kind]} record of {nbytes} bytes is over its limit of {limit}")
+            kind, nbytes = check_header(*RECORD.unpack_from(self._staging, pos))
             start, have = pos + RECORD.size, self._staged - pos - RECORD.size
             if have >= nbytes:
                 self._complete(kind, bytes(staging[start : start + nbytes]))

@@ -50,13 +50,18 @@ def control(kind: int, fields: dict) -> bytes:
 async def read_record(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """The next record's (kind, payload). Raises asyncio.IncompleteReadError when the connection
     ends (``partial`` empty: between records), WireError for an unknown kind or an oversized record."""
-    kind, nbytes = RECORD.unpack(await reader.readexactly(RECORD.size))
+    kind, nbytes = check_header(*RECORD.unpack(await reader.readexactly(RECORD.size)))
+    return kind, await reader.readexactly(nbytes) if nbytes else b""
+
+
+def check_header(kind: int, nbytes: int) -> tuple[int, int]:
+    """``(kind, nbytes)`` of a record header; WireError for an unknown kind or a record over its limit."""
     if kind not in KINDS:
         raise WireError(f"unknown KV record kind {kind}")
     limit = MAX_DATA_BYTES if kind == DATA else MAX_CONTROL_BYTES
     if nbytes > limit:
         raise WireError(f"KV {KINDS[kind]} record of {nbytes} bytes is over its limit of {limit}")
-    return kind, await reader.readexactly(nbytes) if nbytes else b""
+    return kind, nbytes
 
 
 def read_control(payload: bytes, fields: dict[str, type]) -> dict:
