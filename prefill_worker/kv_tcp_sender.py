@@ -39,31 +39,24 @@ class TcpKvSender:
         self.fallback = fallback or GrpcKvSender()
         self.chunk_bytes = chunk_bytes
         self._ports: dict[str, int | None] = {}
-        self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}  # + since
 
     async def send_kv(self, target: str, request_id: str, frame: Frame) -> None:
         """Push ``frame`` to ``target`` ("host:port" of its gRPC server); errors as GrpcKvSender's."""
         if await self._port(target) is None:
             return await self.fallback.send_kv(target, request_id, frame)
 
-        async def pieces():
-            for piece in iter_chunks(frame, self.chunk_bytes):
-                yield piece
+        async def one():
+            yield frame
 
-        await self._push(target, request_id, pieces, self.fallback.timeout_s)
+        await self._push(target, request_id, one(), self.fallback.timeout_s)
 
     async def send_kv_stream(self, target: str, request_id: str, frames: AsyncIterator[Frame]) -> None:
         """Push a layer-wise stream's frames as ``frames`` yields them; its deadline is the fallback's
         ``stream_timeout_s``. A refusal from the receiver ends the push at once."""
         if await self._port(target) is None:
             return await self.fallback.send_kv_stream(target, request_id, frames)
-
-        async def pieces():
-            async for frame in frames:
-                for piece in iter_chunks(frame, self.chunk_bytes):
-                    yield piece
-
-        await self._push(target, request_id, pieces, self.fallback.stream_timeout_s)
+        await self._push(target, request_id, frames, self.fallback.stream_timeout_s)
 
     async def _port(self, target: str) -> int | None:
         if target not in self._ports:
@@ -98,7 +91,12 @@ class TcpKvSender:
     async def _dial(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(host, port)
 
-    async def _push(self, target: str, request_id: str, pieces, timeout_s: float) -> None:
+    async def _pieces(self, frames: AsyncIterator[Frame]):
+        async for frame in frames:
+            for piece in iter_chunks(frame, self.chunk_bytes):
+                yield piece
+
+    async def _push(self, target: str, request_id: str, frames: AsyncIterator[Frame], timeout_s: float) -> None:
         where = f"KV push of {request_id!r} to {target}"
         conn, reusable = None, False
         try:
@@ -106,7 +104,7 @@ class TcpKvSender:
                 conn = reader, writer = await self._connect(target)
                 fields = {"request_id": request_id, "secret": cluster_secret(), "timeout_s": timeout_s}
                 writer.write(wire.control(wire.OPEN, fields))
-                sent_all, (kind, payload) = await _send_and_answer(writer, pieces(), reader)
+                sent_all, (kind, payload) = await _send_and_answer(writer, self._pieces(frames), reader)
                 reusable = sent_all and kind == wire.OK
         except TimeoutError:
             reason = f"no answer within {timeout_s} s"
