@@ -11,6 +11,7 @@ import collections
 from dataclasses import dataclass
 
 from pdserve.planner.serving_fit import OPTIONAL, SERVING_UNITS
+from pdserve.planner.virtual_runner import StepFactors
 
 ROUTER_WINDOW_S = 0.5  # the router's CPU use is averaged over this much of the recent past
 
@@ -20,9 +21,11 @@ class ServingModel:
     """One serving path (planner/serving_fit.py measures it): ``s0 + s1*b`` seconds a worker's step
     of ``b`` token rows takes beyond the engine's predicted time; ``r0`` seconds of router and
     client CPU per request, ``rs`` per worker step with tokens and ``r1`` per token; prefill steps
-    take ``k_prefill`` times the engine's predicted time; a request's first token reaches its
-    client ``f0`` seconds after what the rest accounts for (the RPCs and wake-ups around a
-    prefill). The defaults: the engine's steps only."""
+    take ``k_prefill`` times the engine's predicted time alone, ``k_prompt_load`` times under load
+    (None: ``k_prefill``), and decode-only steps ``k_decode_load`` times (``StepFactors``); a
+    request's first token reaches its client ``f0`` seconds after what the rest accounts for (the
+    RPCs and wake-ups around a prefill); the router and the clients spend ``cpu_s`` of CPU. The
+    defaults: the engine's steps only."""
 
     s0: float = 0.0
     s1: float = 0.0
@@ -31,6 +34,15 @@ class ServingModel:
     rs: float = 0.0
     k_prefill: float = 1.0
     f0: float = 0.0
+    k_prompt_load: float | None = None
+    k_decode_load: float = 1.0
+    cpu_token_load: float | None = None
+
+    @property
+    def cpu_s(self) -> tuple[float, float, float]:
+        """Router and client CPU seconds per (request, worker step, token) that ``HostCpu`` charges:
+        ``cpu_token_load`` a token when measured (everything under load), else ``r0``, ``rs``, ``r1``."""
+        return (self.r0, self.rs, self.r1) if self.cpu_token_load is None else (0.0, 0.0, self.cpu_token_load)
 
     def step_extra_s(self, rows: int) -> float:
         """Seconds the serving path adds to a step that emits ``rows`` tokens."""
@@ -40,8 +52,9 @@ class ServingModel:
     def from_profile(cls, profile: dict, section: str = "serving") -> ServingModel | None:
         """The profile's ``fits.<section>``, or None when it has none (a profile written with
         ``--no-serving``). ValueError when the section is there but lacks a coefficient or holds one
-        no machine measures; ``k_prefill``, ``f0`` and ``rs`` may be absent (a profile that does not
-        measure them): 1, 0 and 0."""
+        no machine measures; ``k_prefill``, ``f0``, ``rs``, ``k_prompt_load``, ``k_decode_load`` and
+        ``cpu_token_load`` may be absent (a profile that does not measure them): 1, 0, 0,
+        ``k_prefill``, 1 and None."""
         fit = profile.get("fits", {}).get(section)
         if fit is None:
             return None
@@ -90,11 +103,21 @@ class ServingPaths:
             return None
         return cls(colocated, ServingModel.from_profile(profile, "serving_split") or colocated)
 
+    def step_factors(self, role: str) -> StepFactors:
+        """A worker of ``role``'s steps against the engine's predicted time: a prefill worker's
+        prompts the split path's factors (its KV sends are charged apart, ``SimWorker.send_kv``); a
+        colocated or decode worker's prompts the colocated path's, its decode-only steps its own
+        path's ``k_decode_load``."""
+        p = self.split if role == "prefill" else self.colocated
+        loaded = p.k_prefill if p.k_prompt_load is None else p.k_prompt_load
+        decode = (self.colocated if role == "colocated" else self.split).k_decode_load
+        return StepFactors(p.k_prefill, loaded, decode)
+
 
 class HostCpu:
     """The cores that the workers (``threads`` each while they compute), the router and the load
-    generator (``ServingModel.r0`` / ``rs`` / ``r1`` of CPU per request / step / token, averaged over
-    the last ``ROUTER_WINDOW_S``) share. ``cores`` 0: each worker has cores of its own and the router and
+    generator (``ServingModel.cpu_s`` of CPU per request / step / token, averaged over the last
+    ``ROUTER_WINDOW_S``) share. ``cores`` 0: each worker has cores of its own and the router and
     clients run elsewhere, so nothing slows down. When the demand exceeds the cores, every step
     stretches by demand / cores (fair sharing of the cores, as the OS scheduler does)."""
 

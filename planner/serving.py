@@ -17,6 +17,8 @@ or a prefill and a decode worker. The real router
   requests meet a lightly loaded server), with a prompt of each of ``FIRST_TOKEN_PROMPTS`` tokens
   (two output tokens). Recorded: ``ttft_s`` at the client and the worker's ``queue_s`` and
   ``prefill_s`` (its ``Timings``).
+- **Load points** (planner/serving_load.py): each placement's workers, one per core, under a steady
+  Poisson load, their engine steps traced.
 
 ``planner/serving_fit.py`` fits them against the engine's step model.
 """
@@ -24,6 +26,7 @@ or a prefill and a decode worker. The real router
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -47,11 +50,15 @@ PLACEMENTS = {"colocated": ("colocated",), "split": ("prefill", "decode")}
 SECTIONS = {"colocated": "serving", "split": "serving_split"}  # fits.<section> of each placement
 
 
-def _worker_main(role: str, cfg: EngineConfig, cpus: list[int] | None, conn) -> None:
-    """Child process: serve one worker of ``role``, pinned to ``cpus`` (None: not pinned); send its
-    address, then serve until told to stop."""
+def _worker_main(role: str, cfg: EngineConfig, cpus: list[int] | None, conn, trace_dir: str | None) -> None:
+    """Child process: serve one worker of ``role``, pinned to ``cpus`` (None: not pinned), tracing
+    its steps to ``trace_dir`` (None: no trace); send its address, then serve until told to stop."""
     import importlib
 
+    from pdserve.worker import step_trace
+
+    if trace_dir:
+        os.environ[step_trace.ENV] = trace_dir
     if cpus:
         pin_process(cpus)
     worker = importlib.import_module(f"pdserve.{role}_worker.worker")
@@ -80,7 +87,7 @@ async def _busy_s(addresses: list[str]) -> float:
 async def _measure(
     placement: str,
     cfg: EngineConfig,
-    workers: dict[str, tuple[str, int]],
+    workers: list[tuple[str, str, int]],
     points: list[tuple[int, int]],
     prompts: tuple[int, ...],
     say: Callable[[str], None],
@@ -91,10 +98,9 @@ async def _measure(
     from pdserve.router import grpc_api
     from pdserve.router.client import Client, make_request
 
-    addresses = [a for a, _ in workers.values()]
-    procs = [psutil.Process(pid) for _, pid in workers.values()]
-    roles = {role: [workers[role][0]] for role in workers}
-    router = await grpc_api.serve(resolve_model_dir(cfg.model), **roles)
+    addresses = [a for _, a, _ in workers]
+    procs = [psutil.Process(pid) for _, _, pid in workers]
+    router = await grpc_api.serve(resolve_model_dir(cfg.model), **by_role(workers))
     rng, batch_points, first_points, vocab = random.Random(0), [], [], router.core.vocab_size
 
     def worker_cpu() -> float:
@@ -180,24 +186,45 @@ def measure_serving(
     """The batch and first-token points (see the module docstring) of ``placement`` (``colocated``
     or ``split``), its workers of ``cfg`` in child processes. RuntimeError when a worker does not
     start or a request fails."""
+    with running_workers(cfg, PLACEMENTS[placement]) as workers:
+        points = [(b, n) for b in batches for n in outputs]
+        return asyncio.run(_measure(placement, cfg, workers, points, prompts, say))
+
+
+def by_role(workers: list[tuple[str, str, int]]) -> dict[str, list[str]]:
+    """``running_workers``' workers as the router takes them: role -> addresses."""
+    roles: dict[str, list[str]] = {}
+    for role, address, _ in workers:
+        roles.setdefault(role, []).append(address)
+    return roles
+
+
+@contextlib.contextmanager
+def running_workers(cfg: EngineConfig, roles: tuple[str, ...], trace_dir: str | None = None):
+    """A worker of each of ``roles`` (of ``cfg``) in a child process, each pinned to cores of its
+    own as ``pdserve serve`` pins them, tracing its steps to ``trace_dir`` when given: yields
+    ``[(role, address, pid), ...]``, and stops them on exit. RuntimeError when one does not start."""
     ctx = multiprocessing.get_context("spawn")
-    roles, started = PLACEMENTS[placement], []
+    started = []
     pin = cfg.device == "cpu" and sys.platform.startswith("linux")  # as pdserve serve pins its CPU workers
     shares = cpu_shares(len(roles), cfg.torch_threads or 1, os.cpu_count() or 1) if pin else None
     try:
         for i, role in enumerate(roles):
             parent, child = ctx.Pipe()
             cpus = shares[i] if shares else None
-            proc = ctx.Process(target=_worker_main, args=(role, cfg, cpus, child), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(role, cfg, cpus, child, trace_dir), daemon=True)
             proc.start()
             started.append((role, proc, parent))
-        workers = {}
+        workers = []
         for role, proc, parent in started:
             if not parent.poll(300):
                 raise RuntimeError(f"serving probe: the {role} worker did not start within 300 s")
-            workers[role] = (parent.recv(), proc.pid)
-        points = [(b, n) for b in batches for n in outputs]
-        return asyncio.run(_measure(placement, cfg, workers, points, prompts, say))
+            try:
+                workers.append((role, parent.recv(), proc.pid))
+            except EOFError:
+                why = f"the {role} worker exited as it started (exit code {proc.exitcode})"
+                raise RuntimeError(f"serving probe: {why}") from None
+        yield workers
     finally:
         for _, proc, parent in started:
             if proc.is_alive():
@@ -215,8 +242,11 @@ def measure_serving(
 def add_serving(profile: dict, cfg: EngineConfig, quick: bool, say: Callable[[str], None]) -> None:
     """Measure the serving path of each placement (``measure_serving``; ``quick``: two small
     batches of short outputs, two prompt lengths) and add the points (``points.serving``,
-    ``points.first_token``) and each placement's fit (``fits.serving``, ``fits.serving_split``,
-    planner/serving_fit.py) to ``profile`` in place, their time to ``elapsed_s``."""
+    ``points.first_token``), the load points' steps (``quick``: a third as many requests), and each
+    placement's fit (``fits.serving``, ``fits.serving_split``, planner/serving_fit.py: the load
+    points' ratios in its ``load_steps``) to ``profile`` in place, their time to ``elapsed_s``."""
+    from pdserve.planner.serving_load import LOAD_REQUESTS, measure_load
+
     start = time.perf_counter()
     model = StepModel.from_profile(profile)
     batches, outputs = ((1, 4), (8, 16)) if quick else (DEFAULT_BATCHES, DEFAULT_OUTPUTS)
@@ -225,7 +255,8 @@ def add_serving(profile: dict, cfg: EngineConfig, quick: bool, say: Callable[[st
     profile["points"]["serving"], profile["points"]["first_token"] = [], []
     for placement, section in SECTIONS.items():
         points, first = measure_serving(cfg, placement, batches, outputs, prompts, say)
+        load = measure_load(cfg, placement, model, room, LOAD_REQUESTS // 3 if quick else LOAD_REQUESTS, say)
         profile["points"]["serving"] += points
         profile["points"]["first_token"] += first
-        profile["fits"][section] = fit_serving(points, first, model, placement)
+        profile["fits"][section] = fit_serving(points, first, model, placement, load)
     profile["elapsed_s"] = profile.get("elapsed_s", 0.0) + time.perf_counter() - start

@@ -15,7 +15,15 @@ Per placement (``fits.serving``: colocated; ``fits.serving_split``: a prefill an
   after an idle spell (the first-token points: ``ttft_s`` less ``r0``, ``r1`` and, colocated, the
   step's ``s0 + s1``). ``k_prefill`` is how much longer a prefill step takes in a serving worker
   than in the profile (a worker that was idle; on a prefill worker, the KV streamed beside it) and
-  ``f0`` the RPCs and wake-ups between the client and the prefill.
+  ``f0`` the RPCs and wake-ups between the client and the prefill;
+- ``k_prompt_load``, ``k_decode_load``: how much longer a serving worker's steps take under a
+  steady load than the engine's predicted time (the median of measured / predicted over the load
+  points' traced steps, planner/serving_load.py, ``step_ratios``): steps with a prompt chunk
+  (colocated: the colocated workers'; split: the prefill worker's) and decode-only steps
+  (colocated; split: the decode worker's); ``cpu_token_load``: the CPU seconds the router's
+  process and the load generator spent under that load, per output token (requests, steps and
+  tokens together; the ``r0``/``rs``/``r1`` fit's light in-process client and router spent a
+  fraction of it).
 """
 
 from __future__ import annotations
@@ -32,11 +40,18 @@ SERVING_UNITS = {
     "rs": "s/step",
     "k_prefill": "ratio",
     "f0": "s",
+    "k_prompt_load": "ratio",
+    "k_decode_load": "ratio",
+    "cpu_token_load": "s/token",
 }
-OPTIONAL = ("k_prefill", "f0", "rs")  # absent from profiles measured before the first-token points
+# absent from profiles measured before the first-token points (k_prefill, f0, rs) or the load points
+OPTIONAL = ("k_prefill", "f0", "rs", "k_prompt_load", "k_decode_load", "cpu_token_load")
+MIN_LOAD_STEPS = 5  # fewer traced steps of a kind than this give no load factor
 SERVING_FORMULA = (
     "wall per step beyond the engine's predicted time: s0 + s1*b; router and client CPU: r0*requests + "
-    "rs*steps + r1*tokens; a lone request's TTFT: r0 + r1 [+ s0 + s1 colocated] + f0 + k_prefill*prefill_s(n)"
+    "rs*steps + r1*tokens; a lone request's TTFT: r0 + r1 [+ s0 + s1 colocated] + f0 + k_prefill*prefill_s(n); "
+    "under load, steps with a prompt chunk take k_prompt_load x the engine's, decode-only ones k_decode_load x, "
+    "and the router and clients spend cpu_token_load of CPU a token"
 )
 
 
@@ -47,10 +62,30 @@ def predicted_engine_s(model: StepModel, q: dict) -> float:
     return model.batch_s([(p, 0)] * b, 0, 0) + sum(model.decode_s(b, b * (p + k)) for k in range(1, n))
 
 
-def fit_serving(points: list[dict], first_token: list[dict], model: StepModel, placement: str) -> dict:
-    """One placement's ``serving`` fit (see the module docstring) of its batch ``points`` and lone
-    ``first_token`` points (``prompt_tokens``, ``ttft_s``); each with its error. ValueError with
-    fewer than 3 batch points or 2 first-token prompt lengths."""
+def step_ratios(steps: list[dict], model: StepModel) -> dict:
+    """Measured / predicted (``model.batch_s``) of traced steps (worker/step_trace.py lines):
+    ``prompt`` (with a prompt chunk) and ``decode`` (decode rows only), each as ``{"steps",
+    "median", "p10", "p90"}``, or None with fewer than ``MIN_LOAD_STEPS`` steps."""
+    ratios: dict[str, list[float]] = {"prompt": [], "decode": []}
+    for s in steps:
+        if s["b"] or s["chunks"]:
+            predicted = model.batch_s([tuple(c) for c in s["chunks"]], s["b"], s["context"])
+            ratios["prompt" if s["chunks"] else "decode"].append((s["t1"] - s["t0"]) / 1e9 / predicted)
+    out = {}
+    for kind, r in ratios.items():
+        r.sort()
+        q = statistics.quantiles(r, n=10) if len(r) >= MIN_LOAD_STEPS else None
+        out[kind] = {"steps": len(r), "median": statistics.median(r), "p10": q[0], "p90": q[-1]} if q else None
+    return out
+
+
+def fit_serving(
+    points: list[dict], first_token: list[dict], model: StepModel, placement: str, load: dict | None = None
+) -> dict:
+    """One placement's ``serving`` fit (see the module docstring) of its batch ``points``, lone
+    ``first_token`` points (``prompt_tokens``, ``ttft_s``) and ``load`` points
+    (``serving_load.measure_load``; None: no load coefficients); each with its error. ValueError
+    with fewer than 3 batch points or 2 first-token prompt lengths."""
     if len(points) < 3:
         raise ValueError(f"the serving fit needs at least 3 batch points, got {len(points)}")
     lengths = sorted({q["prompt_tokens"] for q in first_token})
@@ -66,6 +101,14 @@ def fit_serving(points: list[dict], first_token: list[dict], model: StepModel, p
     ttft = [statistics.median(q["ttft_s"] for q in first_token if q["prompt_tokens"] == n) for n in lengths]
     f0, k = fit_relative([[1.0, model.prefill_s(n)] for n in lengths], [max(1e-6, t - fixed) for t in ttft])
     values = {"s0": s0, "s1": s1, "r0": r0, "r1": r1, "rs": rs, "k_prefill": k, "f0": f0}
+    steps = load["steps"] if load else {}
+    roles = ("colocated", "colocated") if placement == "colocated" else ("prefill", "decode")
+    for kind, role in zip(("prompt", "decode"), roles):
+        ratio = step_ratios(steps[role], model)[kind] if role in steps else None
+        if ratio:
+            values[f"k_{kind}_load"] = ratio["median"]
+    if load and load["output_tokens"]:
+        values["cpu_token_load"] = (load["router_cpu_s"] + load["client_cpu_s"]) / load["output_tokens"]
     return {
         "formula": SERVING_FORMULA,
         "placement": placement,
@@ -74,4 +117,19 @@ def fit_serving(points: list[dict], first_token: list[dict], model: StepModel, p
         "error": error_stats([s0 * r[0] + s1 * r[1] + request_s * r[2] for r in rows], extra),
         "router_cpu_error": error_stats([r0 * a + rs * b + r1 * c for a, b, c in cpu_rows], cpu),
         "first_token_error": error_stats([fixed + f0 + k * model.prefill_s(n) for n in lengths], ttft),
+        "load": _load_summary(load, model) if load else None,
+    }
+
+
+def _load_summary(load: dict, model: StepModel) -> dict:
+    """The load points as the profile keeps them: the load, the CPU cores the router and the client
+    kept busy, and each role's step ratios (``step_ratios``)."""
+    wall = load["wall_s"]
+    return {
+        "requests": load["requests"],
+        "rate_rps": load["rate_rps"],
+        "wall_s": wall,
+        "router_cores": load["router_cpu_s"] / wall,
+        "client_cores": load["client_cpu_s"] / wall,
+        "steps": {role: step_ratios(steps, model) for role, steps in load["steps"].items()},
     }

@@ -7,10 +7,10 @@ switchable workers' roles (planner/sim_roles.py).
 
 The serving path (``ServingPaths``, the profile's ``serving`` fits): a request prefilled where it
 decodes pays the colocated path's costs, one prefilled on a prefill worker the split path's; a
-colocated or decode worker's steps pay their path's ``step_extra_s``, a prefill worker's none (its
-cost is in ``k_prefill`` and ``f0``), and every worker's prefill steps take ``k_prefill`` times the
-engine's predicted time. A prefill worker's core also sends its KV hand-offs (``SimWorker.send_kv``),
-so a step that starts while they run takes the rest of them longer (``SimWorker.sending_left``).
+colocated or decode worker's steps pay their path's ``step_extra_s``, a prefill worker's none, and
+each step takes ``ServingPaths.step_factors`` times the engine's predicted time. A prefill worker's
+core also sends its KV hand-offs (``SimWorker.send_kv``), so a step that starts while they run
+takes the rest of them longer (``SimWorker.sending_left``).
 
 Events (a heap of virtual times): arrivals at their send times plus the router's time for a new
 request (``ServingModel.r0``); a worker's step, which runs ``LLMEngine.step`` and ends after the
@@ -108,11 +108,10 @@ class Simulator:
         self.roles = SimRoles(self, cfg.slo_ttft_s, cfg.slo_tpot_s) if auto else None
 
     def set_role(self, w: SimWorker, role: str) -> None:
-        """Give ``w`` ``role``, and the serving costs of its steps: its path's ``step_extra_s`` and
-        ``k_prefill`` (a prefill worker: the split path's ``k_prefill``, no step cost of its own)."""
+        """Give ``w`` ``role`` and its steps' serving costs (path's ``step_extra_s``, ``step_factors``)."""
         w.role = w.handle.role = role
-        w.path = path = self.paths.split if role != "colocated" else self.paths.colocated
-        w.engine.runner.prefill_factor = path.k_prefill if role == "prefill" else self.paths.colocated.k_prefill
+        w.path = self.paths.split if role != "colocated" else self.paths.colocated
+        w.engine.runner.factors = self.paths.step_factors(role)
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:
@@ -164,11 +163,12 @@ class Simulator:
         steps = w.engine.runner.num_steps
         w.clock.now_s = t
         if w.engine.has_work():
+            busy = sum(x.busy for x in self.workers) * self.threads  # this worker's threads among them
+            w.engine.runner.neighbours_busy = bool(self.host.cores) and busy > self.threads
             w.outputs = w.engine.step()
             extra = w.sending_left(t) if w.role == "prefill" else w.path.step_extra_s(len(w.outputs))
             if w.outputs:  # the step's message to the router
-                self.host.charge_router(t, w.path.rs)
-            busy = sum(x.busy for x in self.workers) * self.threads
+                self.host.charge_router(t, w.path.cpu_s[1])
             w.clock.now_s = t + (w.clock.now_s - t + extra) * self.host.stretch(t, busy)
         if w.engine.runner.num_steps == steps:  # nothing could run: wait for new work
             w.busy = False
@@ -188,7 +188,7 @@ class Simulator:
             token_times_s=[],
         )
         r = self.requests[rid] = SimRequest(spec, rec)
-        self.host.charge_router(t, self.serving.r0)
+        self.host.charge_router(t, self.serving.cpu_s[0])
         sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
         n, hashes, pool = len(prompt), self.pool.prefix_of(prompt), self.pool
         try:
@@ -229,7 +229,7 @@ class Simulator:
     def _output(self, t: float, w: SimWorker, out: StepOutput) -> None:
         seq, r = out.seq, self.requests[out.seq.request_id]
         path = self.paths.split if r.decode is not None else self.paths.colocated
-        self.host.charge_router(t, path.r1)
+        self.host.charge_router(t, path.cpu_s[2])
         first = path.f0 if not r.rec.token_times_s else 0.0
         r.rec.token_times_s.append(t + self.cfg.relay_s + first + path.r1 * self.host.stretch(t, 0))
         r.output.append(out.token)

@@ -4,6 +4,7 @@ real scheduler, block manager, prefix cache and KV hand-off paths (``planner/sim
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,18 @@ from pdserve.engine.scheduling.batch import Batch, batch_shape
 from pdserve.engine.scheduling.kv_groups import kv_groups
 from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.planner.step_model import StepModel
+
+
+@dataclass(frozen=True)
+class StepFactors:
+    """How much longer a worker's steps take than the step model predicts: prompt chunks on an
+    idle machine (``lone``: ``pdserve profile``'s lone requests), prompt chunks under load
+    (``loaded``: beside decode rows or other workers' steps, its load points), decode rows only
+    (``decode``, its load points)."""
+
+    lone: float = 1.0
+    loaded: float = 1.0
+    decode: float = 1.0
 
 
 class VirtualClock:
@@ -31,8 +44,10 @@ class VirtualRunner:
     """Stands in for ``ModelRunner``: same ``model_cfg``, ``dtype_name``, ``num_blocks`` (from
     ``num_kv_blocks`` or ``kv_cache_gib`` as the real one sizes its cache), no weights, no cache
     tensor. ``run`` returns ``token`` (set it to an id that is no EOS) for each sampling sequence
-    and adds ``model.batch_s`` of the batch to ``clock`` (times ``prefill_factor`` for a step with
-    prompt chunks: a serving worker's prefill against the profiled engine's); ``trace`` (when a list) gets each step
+    and adds ``model.batch_s`` of the batch to ``clock`` times ``factors`` (a serving worker's steps
+    against the profiled engine's, ``StepFactors``; a step with prompt chunks is loaded when it
+    has decode rows too or ``neighbours_busy``: another worker on its cores' machine computes as it
+    starts); ``trace`` (when a list) gets each step
     as ``[(request_id, tokens), ...]``. ``read_kv`` gives a zero-stride tensor of the real shape
     (``nbytes`` as the real one), ``write_kv`` checks the shape only. ValueError for an unknown
     ``dtype_name``."""
@@ -48,7 +63,8 @@ class VirtualRunner:
         self.kv_groups = kv_groups(self.model_cfg.layer_windows, self.model_cfg.num_layers)
         self.num_blocks = kv_pool_blocks(cfg, self.model_cfg, self.dtype)
         self.token = 0
-        self.prefill_factor = 1.0
+        self.factors = StepFactors()
+        self.neighbours_busy = False
         self.trace: list | None = None
         self.num_steps = 0
 
@@ -58,7 +74,10 @@ class VirtualRunner:
     def run(self, batch: Batch) -> list[int]:
         """Advance the clock by the batch's predicted seconds; one ``token`` per sampling sequence."""
         chunks, b, context = batch_shape(batch)
-        self.clock.now_s += self.model.batch_s(chunks, b, context) * (self.prefill_factor if chunks else 1.0)
+        f = self.factors
+        self.clock.now_s += self.model.batch_s(chunks, b, context) * (
+            (f.loaded if b or self.neighbours_busy else f.lone) if chunks else f.decode
+        )
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_query_tokens)])

@@ -113,6 +113,19 @@ def test_the_serving_section_times_real_workers_router_and_client_per_placement(
         assert {k: c["unit"] for k, c in fit["coefficients"].items()} == SERVING_UNITS
         assert all(c["value"] >= 0 for c in fit["coefficients"].values())
         assert fit["coefficients"]["k_prefill"]["value"] > 0  # a prefill step takes some time in a worker
+        # the load points: each worker's steps traced while the Poisson load ran, the factors their medians
+        roles = {"colocated"} if placement == "colocated" else {"prefill", "decode"}
+        assert set(fit["load"]["steps"]) == roles
+        prompts, decodes = ("colocated", "colocated") if placement == "colocated" else ("prefill", "decode")
+        assert fit["load"]["steps"][prompts]["prompt"]["steps"] >= 5  # 16 requests: a prompt step or more each
+        assert fit["load"]["steps"][decodes]["decode"]["steps"] >= 5  # of 32 output tokens: many decode steps
+        for kind, role in (("prompt", prompts), ("decode", decodes)):
+            ratio = fit["load"]["steps"][role][kind]
+            assert 0 < ratio["p10"] <= ratio["median"] <= ratio["p90"]
+            assert fit["coefficients"][f"k_{kind}_load"]["value"] == ratio["median"]
+        # the router's process and the load generator worked while the load ran: CPU a token > 0
+        assert fit["load"]["router_cores"] > 0 and fit["load"]["client_cores"] > 0
+        assert fit["coefficients"]["cpu_token_load"]["value"] > 0
     paths = ServingPaths.from_profile(p)
     assert paths.colocated == ServingModel.from_profile(p) and paths.split == ServingModel.from_profile(
         p, "serving_split"

@@ -6,22 +6,25 @@ serving probe's fit on known points."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.loadgen.workload import RequestSpec
+from pdserve.planner import virtual_runner
 from pdserve.planner.host_cpu import ROUTER_WINDOW_S, HostCpu, ServingModel, ServingPaths
-from pdserve.planner.serving_fit import SERVING_UNITS, fit_serving, predicted_engine_s
+from pdserve.planner.serving_fit import MIN_LOAD_STEPS, SERVING_UNITS, fit_serving, predicted_engine_s, step_ratios
 from pdserve.planner.simulate import SimConfig, Simulator
 from pdserve.planner.step_model import StepModel
+from pdserve.planner.virtual_runner import StepFactors
 from tests.planner.test_simulate import toy_profile
 
 SERVING = ServingModel(s0=0.002, s1=0.001, r0=0.003, r1=0.0005)
 
 
 def with_serving(profile: dict, m: ServingModel, section: str = "serving") -> dict:
-    coefs = {k: {"value": getattr(m, k), "unit": u} for k, u in SERVING_UNITS.items()}
+    coefs = {k: {"value": getattr(m, k), "unit": u} for k, u in SERVING_UNITS.items() if getattr(m, k) is not None}
     return {**profile, "fits": {**profile["fits"], section: {"coefficients": coefs}}}
 
 
@@ -143,9 +146,23 @@ def test_the_probe_fit_recovers_known_costs():
             for n in (64, 256, 1024)
             for noise in (0.0, 0.5, -0.5)  # the median of each length's runs is what counts
         ]
-        fit = fit_serving(points, first, model, placement)
+        # the load points: colocated workers' prompt and decode steps; a split pair's prefill worker's
+        # prompt steps and its decode worker's decode steps
+        steps = (
+            {"colocated": traced(model, 1.25, 1.05)}
+            if placement == "colocated"
+            else {"prefill": traced(model, 1.4, 2.0), "decode": traced(model, 1.7, 0.95)}
+        )
+        load = {"steps": steps, "router_cpu_s": 0.3, "client_cpu_s": 0.5, "output_tokens": 1000}
+        fit = fit_serving(points, first, model, placement, {**load, "requests": 40, "rate_rps": 5.0, "wall_s": 10.0})
         got = {k: c["value"] for k, c in fit["coefficients"].items()}
-        for k, v in vars(truth).items():
+        want = {**vars(truth), "k_prompt_load": 1.25, "k_decode_load": 1.05, "cpu_token_load": 0.8 / 1000}
+        if placement == "split":
+            want.update(k_prompt_load=1.4, k_decode_load=0.95)
+        assert fit["load"]["router_cores"] == pytest.approx(0.03) and fit["load"]["client_cores"] == pytest.approx(0.05)
+        assert fit["load"]["steps"]["decode" if placement == "split" else "colocated"]["decode"]["steps"] == 9
+        assert set(got) == set(want), placement
+        for k, v in want.items():
             assert got[k] == pytest.approx(v, rel=1e-6), (placement, k)
         assert fit["request_s"] == pytest.approx(request_s, rel=1e-6) and fit["placement"] == placement
         for err in ("error", "router_cpu_error", "first_token_error"):
@@ -156,19 +173,87 @@ def test_the_probe_fit_recovers_known_costs():
         fit_serving(points, first[:3], model, "colocated")
 
 
+def traced(model: StepModel, prompt: float, decode: float, n: int = 9) -> list[dict]:
+    """Step-trace lines whose steps with a prompt chunk (alone or beside decode rows) took
+    ``prompt`` x the model's prediction and decode-only steps ``decode`` x."""
+    steps = []
+    for i in range(n):
+        b = i % 3  # 0: a prompt alone
+        for chunks, rows, ratio in (([[256, 0]], b, prompt), ([], b + 1, decode)):
+            predicted = model.batch_s([tuple(c) for c in chunks], rows, 300 * rows)
+            line = {"t0": 10**9, "t1": 10**9 + round(predicted * ratio * 1e9), "cpu_ns": 0}
+            steps.append({**line, "chunks": chunks, "b": rows, "context": 300 * rows})
+    return steps
+
+
+def test_load_factors_come_from_enough_traced_steps_of_their_kind():
+    model = StepModel.from_profile(toy_profile())
+    ratios = step_ratios(traced(model, 1.25, 1.05), model)
+    assert ratios["prompt"]["steps"] == ratios["decode"]["steps"] == 9
+    assert ratios["prompt"]["median"] == pytest.approx(1.25, rel=1e-6)
+    assert ratios["decode"]["p10"] == pytest.approx(1.05, rel=1e-6) == ratios["decode"]["p90"]
+    few = step_ratios(traced(model, 1.25, 1.05, n=MIN_LOAD_STEPS - 1), model)
+    assert few == {"prompt": None, "decode": None}  # too few to judge: no factor, the engine's own time
+
+
+def test_step_factors_follow_the_worker_role():
+    colocated = ServingModel(k_prefill=1.2, k_prompt_load=1.4, k_decode_load=1.1)
+    split = ServingModel(k_prefill=1.5, k_prompt_load=1.6, k_decode_load=0.9)
+    paths = ServingPaths(colocated, split)
+    assert paths.step_factors("prefill") == StepFactors(lone=1.5, loaded=1.6, decode=0.9)
+    assert paths.step_factors("colocated") == StepFactors(lone=1.2, loaded=1.4, decode=1.1)
+    # a decode worker decodes at the split path's pace and prefills its own prompts as a colocated worker
+    assert paths.step_factors("decode") == StepFactors(lone=1.2, loaded=1.4, decode=0.9)
+    # the router's and clients' CPU: the load points' figure a token when measured, else the light probe's
+    light = ServingModel(r0=0.002, rs=0.0004, r1=0.0001)
+    assert light.cpu_s == (0.002, 0.0004, 0.0001)
+    assert dataclasses.replace(light, cpu_token_load=0.0005).cpu_s == (0.0, 0.0, 0.0005)
+    # a profile without load points: prompts take k_prefill under load too, decode steps the engine's time
+    old = ServingPaths(ServingModel(k_prefill=1.2), ServingModel(k_prefill=1.5))
+    assert old.step_factors("prefill") == StepFactors(lone=1.5, loaded=1.5, decode=1.0)
+    assert old.step_factors("decode") == StepFactors(lone=1.2, loaded=1.2, decode=1.0)
+
+
+@pytest.mark.parametrize(
+    "chunks, rows, neighbours, factor",
+    [
+        ([(100, 0)], 0, False, "lone"),
+        ([(100, 0)], 0, True, "loaded"),  # another worker on the machine computes
+        ([(100, 0)], 2, False, "loaded"),  # beside decode rows
+        ([], 2, False, "decode"),
+        ([], 2, True, "decode"),
+    ],
+)
+def test_the_virtual_runner_stretches_each_kind_of_step_by_its_factor(monkeypatch, chunks, rows, neighbours, factor):
+    model = StepModel.from_profile(toy_profile())
+    sim = Simulator(
+        SimConfig(EngineConfig(model="embedded", max_num_batched_tokens=256), "colocated", 1, 0), model, "float32"
+    )
+    runner = sim.workers[0].engine.runner
+    runner.factors, runner.neighbours_busy = StepFactors(lone=1.5, loaded=2.0, decode=3.0), neighbours
+    monkeypatch.setattr(virtual_runner, "batch_shape", lambda batch: (chunks, rows, 300))
+    start = runner.clock.now_s
+    runner.run(SimpleNamespace(seqs=[], num_query_tokens=[]))
+    want = model.batch_s(chunks, rows, 300) * getattr(runner.factors, factor)
+    assert runner.clock.now_s - start == pytest.approx(want)
+
+
 def test_prefill_factor_and_first_token_cost_follow_the_request_path():
-    colocated = ServingModel(s0=0.001, r0=0.002, r1=0.0003, k_prefill=1.2, f0=0.003)
-    split = ServingModel(s0=0.0005, r0=0.004, r1=0.0002, k_prefill=1.5, f0=0.006)
+    colocated = ServingModel(s0=0.001, r0=0.002, r1=0.0003, k_prefill=1.2, f0=0.003, k_decode_load=1.1)
+    split = ServingModel(s0=0.0005, r0=0.004, r1=0.0002, k_prefill=1.5, f0=0.006, k_decode_load=0.9)
     paths = ServingPaths(colocated, split)
     model, rec = one_request(paths, "colocated")
     # colocated: the router's time, the prefill step stretched by k_prefill, its step cost, the relay, f0
     first = colocated.r0 + colocated.k_prefill * model.prefill_s(100) + colocated.step_extra_s(1)
     assert rec.ttft_s == pytest.approx(first + colocated.r1 + colocated.f0)
     gaps = [b - a for a, b in zip(rec.token_times_s, rec.token_times_s[1:])]
-    assert gaps[1] == pytest.approx(model.decode_s(1, 102) + colocated.step_extra_s(1))  # decode: no k, no f0
+    # decode: no k_prefill, no f0; the path's load factor
+    assert gaps[1] == pytest.approx(model.decode_s(1, 102) * 1.1 + colocated.step_extra_s(1))
     # split: the prefill worker's step stretched by the split path's k_prefill, no step cost of its own
     model, rec = one_request(paths, "split")
     assert rec.ttft_s == pytest.approx(split.r0 + split.k_prefill * model.prefill_s(100) + split.r1 + split.f0)
+    gaps = [b - a for a, b in zip(rec.token_times_s, rec.token_times_s[1:])]
+    assert gaps[1] == pytest.approx(model.decode_s(1, 102) * 0.9 + split.step_extra_s(1))  # the decode worker's
     # the same costs as one model for both paths change the answer: the paths are really told apart
     _, same = one_request(ServingPaths(colocated, colocated), "split")
     assert same.ttft_s != pytest.approx(rec.ttft_s)

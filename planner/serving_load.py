@@ -1,0 +1,168 @@
+"""The load points of ``pdserve profile``'s serving probe: a placement's workers, router and load
+generator as a deployment runs them, under a steady load (``k_prompt_load``, ``k_decode_load``,
+``cpu_token_load``, planner/serving_fit.py).
+
+The profile's engine points run alone on an idle machine. A serving worker's steps share its core
+with the worker's own threads (the event loop streaming the last step's tokens, gRPC), and the
+machine with the other workers' steps, the router and the clients. A 2-core AMX Xeon serving W2 at
+8 req/s on 2 colocated workers (docs/measurements.md): prompt steps 1.10-1.27x the profile's
+engine, decode steps 1.04-1.24x, the engine threads holding 84-95 % of their cores; the router
+process used 0.10 cores and the load generator 0.16.
+
+So the load runs each worker in a process of its own, pinned to cores of its own
+(``running_workers``): colocated, one worker per core share (``LOAD_WORKERS`` at most); split, a
+prefill and a decode worker. The router runs in another process, unpinned, and the load generator
+(loadgen's, as ``pdserve bench`` sends) in this one. After one warm-up request per worker,
+``requests`` requests of ``LOAD_PROMPT`` random tokens (fewer when the model's length is shorter)
+and ``LOAD_OUTPUT`` output tokens arrive at Poisson times, at the rate that keeps each worker that
+prefills ``LOAD_PREFILL_SHARE`` busy with prompts. Each worker traces its engine steps
+(worker/step_trace.py); the points are the steps taken while the load ran, by role, and the CPU
+time the router's process and this one spent meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.serving import by_role, running_workers
+from pdserve.planner.step_model import StepModel
+
+LOAD_REQUESTS = 48
+LOAD_OUTPUT = 32
+LOAD_PROMPT = 256
+LOAD_PREFILL_SHARE = 0.3
+LOAD_WORKERS = 4
+
+
+def load_roles(placement: str, cfg: EngineConfig) -> tuple[str, ...]:
+    """The workers of ``placement``'s load: colocated, one per ``cfg.torch_threads`` of this
+    machine's cores (1 to ``LOAD_WORKERS``); split, a prefill and a decode worker."""
+    if placement == "split":
+        return ("prefill", "decode")
+    per_core = (os.cpu_count() or 1) // (cfg.torch_threads or 1)
+    return ("colocated",) * max(1, min(LOAD_WORKERS, per_core))
+
+
+def measure_load(
+    cfg: EngineConfig,
+    placement: str,
+    model: StepModel,
+    max_prompt: int,
+    requests: int = LOAD_REQUESTS,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict:
+    """The load points of ``placement`` (``colocated`` or ``split``), prompts of ``LOAD_PROMPT``
+    tokens at most ``max_prompt``, the rate from ``model``'s prefill time (module docstring):
+    ``steps`` (each role's traced steps, worker/step_trace.py lines), ``router_cpu_s`` and
+    ``client_cpu_s`` (CPU seconds of the router's process and of the load generator),
+    ``output_tokens``, ``requests``, ``rate_rps`` and ``wall_s``. RuntimeError when a worker or
+    the router does not start or a request fails."""
+    roles = load_roles(placement, cfg)
+    n = min(LOAD_PROMPT, max_prompt)
+    rate = LOAD_PREFILL_SHARE / model.prefill_s(n) * (len(roles) if placement == "colocated" else 1)
+    with (
+        tempfile.TemporaryDirectory(prefix="pdserve-load-steps-") as trace_dir,
+        running_workers(cfg, roles, trace_dir) as workers,
+    ):
+        load = _load(cfg, workers, Path(trace_dir), n, rate, requests)
+    counts = ", ".join(f"{role} {len(s)}" for role, s in load["steps"].items())
+    say(
+        f"serving {placement:9} load of {requests} requests at {rate:.1f}/s on {len(roles)} workers: steps "
+        f"{counts}; router + client CPU {(load['router_cpu_s'] + load['client_cpu_s']) / load['wall_s']:.2f} cores"
+    )
+    return load
+
+
+def _router_main(model_dir: str, roles: dict[str, list[str]], conn) -> None:
+    """Child process: the router of ``roles``' workers; send its address, serve until told to stop."""
+    from pdserve.router import grpc_api
+
+    async def main() -> None:
+        router = await grpc_api.serve(Path(model_dir), **roles)
+        conn.send(router.address)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await router.stop()
+
+    asyncio.run(main())
+
+
+def _load(cfg: EngineConfig, workers: list, trace_dir: Path, n: int, rate: float, requests: int) -> dict:
+    import psutil
+
+    from pdserve.engine.models.loader import resolve_model_dir
+
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_router_main, args=(str(resolve_model_dir(cfg.model)), by_role(workers), child), daemon=True
+    )
+    proc.start()
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("serving probe: the router did not start within 120 s")
+        address, router = parent.recv(), psutil.Process(proc.pid)
+        out = asyncio.run(_send(address, workers, trace_dir, n, rate, requests, router))
+    finally:
+        if proc.is_alive():
+            parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    return out
+
+
+async def _send(address, workers, trace_dir: Path, n: int, rate: float, requests: int, router) -> dict:
+    from pdserve.loadgen.runner import run_load
+    from pdserve.loadgen.targets import GrpcBackend
+    from pdserve.loadgen.workload import RequestSpec, poisson_arrivals
+
+    rng = random.Random(1)
+    async with GrpcBackend(address) as backend:
+        vocab = (await backend.client.model_info()).vocab_size or 1000
+
+        def specs(times: list[float], output_tokens: int) -> list[RequestSpec]:
+            return [
+                RequestSpec(i, t, tuple(rng.randrange(vocab) for _ in range(n)), output_tokens, "random")
+                for i, t in enumerate(times)
+            ]
+
+        await run_load(backend, specs([0.0] * len(workers), 4), run_id="warm-up")  # one a worker
+        before = {pid: len(_read_steps(trace_dir, pid)) for _, _, pid in workers}
+        cpu0, client0, t0 = _cpu_s(router), time.process_time(), time.perf_counter()
+        records = await run_load(backend, specs(poisson_arrivals(rate, requests, 1), LOAD_OUTPUT), run_id="load")
+        wall, client_cpu, router_cpu = time.perf_counter() - t0, time.process_time() - client0, _cpu_s(router) - cpu0
+    bad = [r for r in records if r.error or len(r.token_times_s) != LOAD_OUTPUT]
+    if bad or len(records) != requests:
+        raise RuntimeError(f"serving probe: a load request failed: {bad[0].error if bad else 'not sent'}")
+    steps: dict[str, list[dict]] = {}
+    for role, _, pid in workers:
+        steps.setdefault(role, []).extend(_read_steps(trace_dir, pid)[before[pid] :])
+    return {
+        "steps": steps,
+        "router_cpu_s": router_cpu,
+        "client_cpu_s": client_cpu,
+        "output_tokens": sum(len(r.token_times_s) for r in records),
+        "requests": requests,
+        "rate_rps": rate,
+        "wall_s": wall,
+    }
+
+
+def _cpu_s(proc) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def _read_steps(trace_dir: Path, pid: int) -> list[dict]:
+    """The steps worker ``pid`` traced so far (none before its first step)."""
+    path = trace_dir / f"steps-{pid}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
