@@ -36,13 +36,17 @@ class ServingModel:
     f0: float = 0.0
     k_prompt_load: float | None = None
     k_decode_load: float = 1.0
+    cpu_request_load: float | None = None
     cpu_token_load: float | None = None
 
     @property
     def cpu_s(self) -> tuple[float, float, float]:
         """Router and client CPU seconds per (request, worker step, token) that ``HostCpu`` charges:
-        ``cpu_token_load`` a token when measured (everything under load), else ``r0``, ``rs``, ``r1``."""
-        return (self.r0, self.rs, self.r1) if self.cpu_token_load is None else (0.0, 0.0, self.cpu_token_load)
+        ``cpu_request_load`` and ``cpu_token_load`` when measured (everything under load), else
+        ``r0``, ``rs``, ``r1``."""
+        if self.cpu_token_load is None:
+            return self.r0, self.rs, self.r1
+        return self.cpu_request_load or 0.0, 0.0, self.cpu_token_load
 
     def step_extra_s(self, rows: int) -> float:
         """Seconds the serving path adds to a step that emits ``rows`` tokens."""
@@ -53,7 +57,7 @@ class ServingModel:
         """The profile's ``fits.<section>``, or None when it has none (a profile written with
         ``--no-serving``). ValueError when the section is there but lacks a coefficient or holds one
         no machine measures; ``k_prefill``, ``f0``, ``rs``, ``k_prompt_load``, ``k_decode_load`` and
-        ``cpu_token_load`` may be absent (a profile that does not measure them): 1, 0, 0,
+        the ``cpu_*_load`` may be absent (a profile that does not measure them): 1, 0, 0,
         ``k_prefill``, 1 and None."""
         fit = profile.get("fits", {}).get(section)
         if fit is None:
@@ -103,14 +107,15 @@ class ServingPaths:
             return None
         return cls(colocated, ServingModel.from_profile(profile, "serving_split") or colocated)
 
-    def step_factors(self, role: str) -> StepFactors:
+    def step_factors(self, role: str, local: bool = False) -> StepFactors:
         """A worker of ``role``'s steps against the engine's predicted time: a prefill worker's
         prompts the split path's factors (its KV sends are charged apart, ``SimWorker.send_kv``); a
         colocated or decode worker's prompts the colocated path's, its decode-only steps its own
-        path's ``k_decode_load``."""
+        path's ``k_decode_load`` (a decode worker that prefills its own prompts, ``local``: the
+        colocated path's, whose workers' decode steps follow prompt steps)."""
         p = self.split if role == "prefill" else self.colocated
         loaded = p.k_prefill if p.k_prompt_load is None else p.k_prompt_load
-        decode = (self.colocated if role == "colocated" else self.split).k_decode_load
+        decode = (self.colocated if role == "colocated" or local else self.split).k_decode_load
         return StepFactors(p.k_prefill, loaded, decode)
 
 

@@ -20,10 +20,12 @@ Per placement (``fits.serving``: colocated; ``fits.serving_split``: a prefill an
   steady load than the engine's predicted time (the median of measured / predicted over the load
   points' traced steps, planner/serving_load.py, ``step_ratios``): steps with a prompt chunk
   (colocated: the colocated workers'; split: the prefill worker's) and decode-only steps
-  (colocated; split: the decode worker's); ``cpu_token_load``: the CPU seconds the router's
-  process and the load generator spent under that load, per output token (requests, steps and
-  tokens together; the ``r0``/``rs``/``r1`` fit's light in-process client and router spent a
-  fraction of it).
+  (colocated; split: the decode worker's); ``cpu_request_load`` and ``cpu_token_load``: the CPU
+  seconds the router's process and the load generator spent under that load, per request and per
+  output token (the load's two halves, of short and long outputs: a token's is their difference
+  over the tokens', a request's the rest of the first half's, its share of the processes' polling
+  included). The light in-process client and router of the ``r0``/``rs``/``r1`` fit spend a
+  fraction of that.
 """
 
 from __future__ import annotations
@@ -42,16 +44,17 @@ SERVING_UNITS = {
     "f0": "s",
     "k_prompt_load": "ratio",
     "k_decode_load": "ratio",
+    "cpu_request_load": "s/request",
     "cpu_token_load": "s/token",
 }
 # absent from profiles measured before the first-token points (k_prefill, f0, rs) or the load points
-OPTIONAL = ("k_prefill", "f0", "rs", "k_prompt_load", "k_decode_load", "cpu_token_load")
+OPTIONAL = ("k_prefill", "f0", "rs", "k_prompt_load", "k_decode_load", "cpu_request_load", "cpu_token_load")
 MIN_LOAD_STEPS = 5  # fewer traced steps of a kind than this give no load factor
 SERVING_FORMULA = (
     "wall per step beyond the engine's predicted time: s0 + s1*b; router and client CPU: r0*requests + "
     "rs*steps + r1*tokens; a lone request's TTFT: r0 + r1 [+ s0 + s1 colocated] + f0 + k_prefill*prefill_s(n); "
     "under load, steps with a prompt chunk take k_prompt_load x the engine's, decode-only ones k_decode_load x, "
-    "and the router and clients spend cpu_token_load of CPU a token"
+    "and the router and clients spend cpu_request_load + cpu_token_load*tokens of CPU a request"
 )
 
 
@@ -107,8 +110,8 @@ def fit_serving(
         ratio = step_ratios(steps[role], model)[kind] if role in steps else None
         if ratio:
             values[f"k_{kind}_load"] = ratio["median"]
-    if load and load["output_tokens"]:
-        values["cpu_token_load"] = (load["router_cpu_s"] + load["client_cpu_s"]) / load["output_tokens"]
+    if load:
+        values["cpu_request_load"], values["cpu_token_load"] = load_cpu(load["halves"])
     return {
         "formula": SERVING_FORMULA,
         "placement": placement,
@@ -121,15 +124,28 @@ def fit_serving(
     }
 
 
+def load_cpu(halves: list[dict]) -> tuple[float, float]:
+    """Router and client CPU seconds per request and per output token from the load's two halves
+    (``serving_load.measure_load``; module docstring), each >= 0."""
+    (a, b), cpu = halves, [h["router_cpu_s"] + h["client_cpu_s"] for h in halves]
+    per_token = max(0.0, (cpu[1] / b["requests"] - cpu[0] / a["requests"])) / max(
+        1e-9, b["output_tokens"] / b["requests"] - a["output_tokens"] / a["requests"]
+    )
+    return max(0.0, (cpu[0] - per_token * a["output_tokens"]) / a["requests"]), per_token
+
+
 def _load_summary(load: dict, model: StepModel) -> dict:
-    """The load points as the profile keeps them: the load, the CPU cores the router and the client
-    kept busy, and each role's step ratios (``step_ratios``)."""
-    wall = load["wall_s"]
+    """The load points as the profile keeps them: the rate, each half (requests, tokens, wall time
+    and the cores the router and the client kept busy), and each role's step ratios."""
     return {
-        "requests": load["requests"],
         "rate_rps": load["rate_rps"],
-        "wall_s": wall,
-        "router_cores": load["router_cpu_s"] / wall,
-        "client_cores": load["client_cpu_s"] / wall,
+        "halves": [
+            {
+                **{k: h[k] for k in ("requests", "output_tokens", "wall_s")},
+                "router_cores": h["router_cpu_s"] / h["wall_s"],
+                "client_cores": h["client_cpu_s"] / h["wall_s"],
+            }
+            for h in load["halves"]
+        ],
         "steps": {role: step_ratios(steps, model) for role, steps in load["steps"].items()},
     }

@@ -12,12 +12,13 @@ process used 0.10 cores and the load generator 0.16.
 So the load runs each worker in a process of its own, pinned to cores of its own
 (``running_workers``): colocated, one worker per core share (``LOAD_WORKERS`` at most); split, a
 prefill and a decode worker. The router runs in another process, unpinned, and the load generator
-(loadgen's, as ``pdserve bench`` sends) in this one. After one warm-up request per worker,
+(loadgen's, as ``pdserve bench`` sends) in a third. After one warm-up request per worker,
 ``requests`` requests of ``LOAD_PROMPT`` random tokens (fewer when the model's length is shorter)
-and ``LOAD_OUTPUT`` output tokens arrive at Poisson times, at the rate that keeps each worker that
-prefills ``LOAD_PREFILL_SHARE`` busy with prompts. Each worker traces its engine steps
-(worker/step_trace.py); the points are the steps taken while the load ran, by role, and the CPU
-time the router's process and this one spent meanwhile.
+arrive at Poisson times, at the rate that keeps each worker that prefills ``LOAD_PREFILL_SHARE``
+busy with prompts: the first half reading ``LOAD_OUTPUTS[0]`` output tokens each, then the second
+``LOAD_OUTPUTS[1]``. Each worker traces its engine steps (worker/step_trace.py); the points are the
+steps that started while the load ran, by role, and for each half the CPU time the router's and
+the load generator's processes spent.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pdserve.planner.serving import by_role, running_workers
 from pdserve.planner.step_model import StepModel
 
 LOAD_REQUESTS = 48
-LOAD_OUTPUT = 32
+LOAD_OUTPUTS = (16, 64)  # the load's two halves: their CPU apart gives a request's and a token's
 LOAD_PROMPT = 256
 LOAD_PREFILL_SHARE = 0.3
 LOAD_WORKERS = 4
@@ -62,10 +63,10 @@ def measure_load(
 ) -> dict:
     """The load points of ``placement`` (``colocated`` or ``split``), prompts of ``LOAD_PROMPT``
     tokens at most ``max_prompt``, the rate from ``model``'s prefill time (module docstring):
-    ``steps`` (each role's traced steps, worker/step_trace.py lines), ``router_cpu_s`` and
-    ``client_cpu_s`` (CPU seconds of the router's process and of the load generator),
-    ``output_tokens``, ``requests``, ``rate_rps`` and ``wall_s``. RuntimeError when a worker or
-    the router does not start or a request fails."""
+    ``steps`` (each role's traced steps, worker/step_trace.py lines), ``rate_rps`` and ``halves``,
+    each ``{"requests", "output_tokens", "router_cpu_s", "client_cpu_s", "wall_s"}`` (CPU seconds
+    of the router's process and of the load generator). RuntimeError when a worker or the router
+    does not start or a request fails."""
     roles = load_roles(placement, cfg)
     n = min(LOAD_PROMPT, max_prompt)
     rate = LOAD_PREFILL_SHARE / model.prefill_s(n) * (len(roles) if placement == "colocated" else 1)
@@ -75,9 +76,10 @@ def measure_load(
     ):
         load = _load(cfg, workers, Path(trace_dir), n, rate, requests)
     counts = ", ".join(f"{role} {len(s)}" for role, s in load["steps"].items())
+    cores = " and ".join(f"{(h['router_cpu_s'] + h['client_cpu_s']) / h['wall_s']:.2f}" for h in load["halves"])
     say(
         f"serving {placement:9} load of {requests} requests at {rate:.1f}/s on {len(roles)} workers: steps "
-        f"{counts}; router + client CPU {(load['router_cpu_s'] + load['client_cpu_s']) / load['wall_s']:.2f} cores"
+        f"{counts}; router + client CPU {cores} cores"
     )
     return load
 
@@ -96,36 +98,63 @@ def _router_main(model_dir: str, roles: dict[str, list[str]], conn) -> None:
 
 
 def _load(cfg: EngineConfig, workers: list, trace_dir: Path, n: int, rate: float, requests: int) -> dict:
-    import psutil
-
     from pdserve.engine.models.loader import resolve_model_dir
 
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    proc = multiprocessing.get_context("spawn").Process(
+    ctx = multiprocessing.get_context("spawn")
+    router_conn, child = ctx.Pipe()
+    router = ctx.Process(
         target=_router_main, args=(str(resolve_model_dir(cfg.model)), by_role(workers), child), daemon=True
     )
-    proc.start()
+    router.start()
+    client = None
     try:
-        if not parent.poll(120):
+        if not router_conn.poll(120):
             raise RuntimeError("serving probe: the router did not start within 120 s")
-        address, router = parent.recv(), psutil.Process(proc.pid)
-        out = asyncio.run(_send(address, workers, trace_dir, n, rate, requests, router))
+        client_conn, child = ctx.Pipe()
+        args = (router_conn.recv(), router.pid, len(workers), n, rate, requests, child)
+        client = ctx.Process(target=_client_main, args=args, daemon=True)
+        client.start()
+        if not client_conn.poll(600):
+            raise RuntimeError("serving probe: the load did not end within 600 s")
+        out = client_conn.recv()
+    except EOFError:
+        raise RuntimeError("serving probe: the load generator exited without an answer") from None
     finally:
-        if proc.is_alive():
-            parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-    return out
+        for proc, conn in ((client, None), (router, router_conn)):
+            if proc is None:
+                continue
+            if conn is not None and proc.is_alive():
+                conn.send("stop")
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    if "error" in out:
+        raise RuntimeError(f"serving probe: {out['error']}")
+    start_ns, end_ns = out.pop("window_ns")
+    steps: dict[str, list[dict]] = {}
+    for role, _, pid in workers:  # the steps that started while the load ran
+        steps.setdefault(role, []).extend(s for s in _read_steps(trace_dir, pid) if start_ns <= s["t0"] < end_ns)
+    return {**out, "steps": steps, "rate_rps": rate}
 
 
-async def _send(address, workers, trace_dir: Path, n: int, rate: float, requests: int, router) -> dict:
+def _client_main(address: str, router_pid: int, warm_ups: int, n: int, rate: float, requests: int, conn) -> None:
+    """Child process: the load generator, as ``pdserve bench`` is one (its CPU is its own, not the
+    profile's); sends the halves and the monotonic ns window of the load, or ``{"error": ...}``."""
+    try:
+        conn.send(asyncio.run(_send(address, router_pid, warm_ups, n, rate, requests)))
+    except Exception as exc:  # the parent turns it into its RuntimeError
+        conn.send({"error": f"a load request failed: {exc}"})
+
+
+async def _send(address: str, router_pid: int, warm_ups: int, n: int, rate: float, requests: int) -> dict:
+    import psutil
+
     from pdserve.loadgen.runner import run_load
     from pdserve.loadgen.targets import GrpcBackend
     from pdserve.loadgen.workload import RequestSpec, poisson_arrivals
 
-    rng = random.Random(1)
+    rng, router = random.Random(1), psutil.Process(router_pid)
     async with GrpcBackend(address) as backend:
         vocab = (await backend.client.model_info()).vocab_size or 1000
 
@@ -135,26 +164,25 @@ async def _send(address, workers, trace_dir: Path, n: int, rate: float, requests
                 for i, t in enumerate(times)
             ]
 
-        await run_load(backend, specs([0.0] * len(workers), 4), run_id="warm-up")  # one a worker
-        before = {pid: len(_read_steps(trace_dir, pid)) for _, _, pid in workers}
-        cpu0, client0, t0 = _cpu_s(router), time.process_time(), time.perf_counter()
-        records = await run_load(backend, specs(poisson_arrivals(rate, requests, 1), LOAD_OUTPUT), run_id="load")
-        wall, client_cpu, router_cpu = time.perf_counter() - t0, time.process_time() - client0, _cpu_s(router) - cpu0
-    bad = [r for r in records if r.error or len(r.token_times_s) != LOAD_OUTPUT]
-    if bad or len(records) != requests:
-        raise RuntimeError(f"serving probe: a load request failed: {bad[0].error if bad else 'not sent'}")
-    steps: dict[str, list[dict]] = {}
-    for role, _, pid in workers:
-        steps.setdefault(role, []).extend(_read_steps(trace_dir, pid)[before[pid] :])
-    return {
-        "steps": steps,
-        "router_cpu_s": router_cpu,
-        "client_cpu_s": client_cpu,
-        "output_tokens": sum(len(r.token_times_s) for r in records),
-        "requests": requests,
-        "rate_rps": rate,
-        "wall_s": wall,
-    }
+        await run_load(backend, specs([0.0] * warm_ups, 4), run_id="warm-up")  # one a worker
+        start_ns, halves = time.monotonic_ns(), []
+        for i, output_tokens in enumerate(LOAD_OUTPUTS):
+            count = requests // 2 if i == 0 else requests - requests // 2
+            cpu0, client0, t0 = _cpu_s(router), time.process_time(), time.perf_counter()
+            records = await run_load(backend, specs(poisson_arrivals(rate, count, i), output_tokens), run_id=f"load{i}")
+            bad = [r for r in records if r.error or len(r.token_times_s) != output_tokens]
+            if bad or len(records) != count:
+                raise RuntimeError(bad[0].error if bad else "not sent")
+            halves.append(
+                {
+                    "requests": count,
+                    "output_tokens": count * output_tokens,
+                    "router_cpu_s": _cpu_s(router) - cpu0,
+                    "client_cpu_s": time.process_time() - client0,
+                    "wall_s": time.perf_counter() - t0,
+                }
+            )
+    return {"halves": halves, "window_ns": (start_ns, time.monotonic_ns())}
 
 
 def _cpu_s(proc) -> float:

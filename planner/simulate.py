@@ -100,18 +100,18 @@ class Simulator:
         self.pool.workers = [w.handle for w in self.workers]
         self.max_model_len = min(w.engine.max_model_len for w in self.workers)
         self.tokenizer = self.workers[0].engine.tokenizer
-        self._heap: list = []
-        self._seq = itertools.count()
-        self._next_poll = 0.0
+        self._heap, self._seq, self._next_poll = [], itertools.count(), 0.0
         self.requests: dict[str, SimRequest] = {}
         self.local_prefill = LocalPrefill(cfg.local_prefill_tokens, cfg.local_prefill_policy)
         self.roles = SimRoles(self, cfg.slo_ttft_s, cfg.slo_tpot_s) if auto else None
 
     def set_role(self, w: SimWorker, role: str) -> None:
-        """Give ``w`` ``role`` and its steps' serving costs (path's ``step_extra_s``, ``step_factors``)."""
-        w.role = w.handle.role = role
-        w.path = self.paths.split if role != "colocated" else self.paths.colocated
-        w.engine.runner.factors = self.paths.step_factors(role)
+        """Give ``w`` ``role`` and its path's ``step_extra_s``; every worker its ``step_factors`` (with
+        no prefill worker left, the decode workers prefill their own prompts, as colocated ones)."""
+        w.role, w.handle.role, w.path = role, role, self.paths.split if role != "colocated" else self.paths.colocated
+        local = not any(x.role == "prefill" for x in self.workers)
+        for x in self.workers:
+            x.engine.runner.factors = self.paths.step_factors(x.role, local)
 
     # -- the event loop -------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj) -> None:

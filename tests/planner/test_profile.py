@@ -118,14 +118,15 @@ def test_the_serving_section_times_real_workers_router_and_client_per_placement(
         assert set(fit["load"]["steps"]) == roles
         prompts, decodes = ("colocated", "colocated") if placement == "colocated" else ("prefill", "decode")
         assert fit["load"]["steps"][prompts]["prompt"]["steps"] >= 5  # 16 requests: a prompt step or more each
-        assert fit["load"]["steps"][decodes]["decode"]["steps"] >= 5  # of 32 output tokens: many decode steps
+        assert fit["load"]["steps"][decodes]["decode"]["steps"] >= 5  # of 16 and 64 output tokens: many decode steps
         for kind, role in (("prompt", prompts), ("decode", decodes)):
             ratio = fit["load"]["steps"][role][kind]
             assert 0 < ratio["p10"] <= ratio["median"] <= ratio["p90"]
             assert fit["coefficients"][f"k_{kind}_load"]["value"] == ratio["median"]
-        # the router's process and the load generator worked while the load ran: CPU a token > 0
-        assert fit["load"]["router_cores"] > 0 and fit["load"]["client_cores"] > 0
-        assert fit["coefficients"]["cpu_token_load"]["value"] > 0
+        # the router's process and the load generator worked while each half of the load ran
+        assert [(h["requests"], h["output_tokens"]) for h in fit["load"]["halves"]] == [(8, 8 * 16), (8, 8 * 64)]
+        assert all(h["router_cores"] > 0 and h["client_cores"] > 0 for h in fit["load"]["halves"])
+        assert fit["coefficients"]["cpu_request_load"]["value"] + fit["coefficients"]["cpu_token_load"]["value"] > 0
     paths = ServingPaths.from_profile(p)
     assert paths.colocated == ServingModel.from_profile(p) and paths.split == ServingModel.from_profile(
         p, "serving_split"

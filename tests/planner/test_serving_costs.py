@@ -153,13 +153,18 @@ def test_the_probe_fit_recovers_known_costs():
             if placement == "colocated"
             else {"prefill": traced(model, 1.4, 2.0), "decode": traced(model, 1.7, 0.95)}
         )
-        load = {"steps": steps, "router_cpu_s": 0.3, "client_cpu_s": 0.5, "output_tokens": 1000}
-        fit = fit_serving(points, first, model, placement, {**load, "requests": 40, "rate_rps": 5.0, "wall_s": 10.0})
+        # two halves of 20 requests, 16 and 64 tokens each: 5 ms of router + client CPU a request, 0.2 a token
+        halves = [
+            {"requests": 20, "output_tokens": 20 * n, "wall_s": 4.0, "router_cpu_s": 0.04, "client_cpu_s": cpu - 0.04}
+            for n, cpu in ((16, 20 * (0.005 + 16 * 0.0002)), (64, 20 * (0.005 + 64 * 0.0002)))
+        ]
+        fit = fit_serving(points, first, model, placement, {"steps": steps, "rate_rps": 5.0, "halves": halves})
         got = {k: c["value"] for k, c in fit["coefficients"].items()}
-        want = {**vars(truth), "k_prompt_load": 1.25, "k_decode_load": 1.05, "cpu_token_load": 0.8 / 1000}
+        want = {**vars(truth), "k_prompt_load": 1.25, "k_decode_load": 1.05}
+        want.update(cpu_request_load=0.005, cpu_token_load=0.0002)
         if placement == "split":
             want.update(k_prompt_load=1.4, k_decode_load=0.95)
-        assert fit["load"]["router_cores"] == pytest.approx(0.03) and fit["load"]["client_cores"] == pytest.approx(0.05)
+        assert [h["router_cores"] for h in fit["load"]["halves"]] == pytest.approx([0.01, 0.01])
         assert fit["load"]["steps"]["decode" if placement == "split" else "colocated"]["decode"]["steps"] == 9
         assert set(got) == set(want), placement
         for k, v in want.items():
@@ -204,10 +209,17 @@ def test_step_factors_follow_the_worker_role():
     assert paths.step_factors("colocated") == StepFactors(lone=1.2, loaded=1.4, decode=1.1)
     # a decode worker decodes at the split path's pace and prefills its own prompts as a colocated worker
     assert paths.step_factors("decode") == StepFactors(lone=1.2, loaded=1.4, decode=0.9)
+    # with no prefill worker left, decode workers prefill their own prompts: colocated workers' decode steps
+    assert paths.step_factors("decode", local=True) == StepFactors(lone=1.2, loaded=1.4, decode=1.1)
+    engine = EngineConfig(model="embedded", max_num_batched_tokens=256)
+    sim = Simulator(SimConfig(engine, "auto", 1, 1), StepModel.from_profile(toy_profile()), "float32", paths)
+    assert [w.engine.runner.factors.decode for w in sim.workers] == [0.9, 0.9]  # split: the split path's
+    sim.set_role(sim.workers[0], "decode")  # the prefill worker switches: both decode and prefill locally
+    assert [w.engine.runner.factors.decode for w in sim.workers] == [1.1, 1.1]
     # the router's and clients' CPU: the load points' figure a token when measured, else the light probe's
     light = ServingModel(r0=0.002, rs=0.0004, r1=0.0001)
     assert light.cpu_s == (0.002, 0.0004, 0.0001)
-    assert dataclasses.replace(light, cpu_token_load=0.0005).cpu_s == (0.0, 0.0, 0.0005)
+    assert dataclasses.replace(light, cpu_request_load=0.003, cpu_token_load=0.0005).cpu_s == (0.003, 0.0, 0.0005)
     # a profile without load points: prompts take k_prefill under load too, decode steps the engine's time
     old = ServingPaths(ServingModel(k_prefill=1.2), ServingModel(k_prefill=1.5))
     assert old.step_factors("prefill") == StepFactors(lone=1.5, loaded=1.5, decode=1.0)
