@@ -46,9 +46,12 @@ LOAD_WORKERS = 4
 
 def load_roles(placement: str, cfg: EngineConfig) -> tuple[str, ...]:
     """The workers of ``placement``'s load: colocated, one per ``cfg.torch_threads`` of this
-    machine's cores (1 to ``LOAD_WORKERS``); split, a prefill and a decode worker."""
+    machine's cores (1 to ``LOAD_WORKERS``; one on a GPU, whose device they would share); split, a
+    prefill and a decode worker."""
     if placement == "split":
         return ("prefill", "decode")
+    if cfg.device != "cpu":
+        return ("colocated",)
     per_core = (os.cpu_count() or 1) // (cfg.torch_threads or 1)
     return ("colocated",) * max(1, min(LOAD_WORKERS, per_core))
 

@@ -6,6 +6,7 @@ serving probe's fit on known points."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -287,3 +288,14 @@ def test_coefficients_that_no_machine_measures_are_refused(section, name, value,
     with pytest.raises(ValueError, match=message):
         StepModel.from_profile(profile)
         ServingModel.from_profile(profile)
+
+
+def test_the_load_runs_a_colocated_worker_per_core_and_a_split_pair():
+    from pdserve.planner.serving_load import LOAD_WORKERS, load_roles
+
+    cpu = EngineConfig(model="embedded", torch_threads=1)
+    assert load_roles("split", cpu) == ("prefill", "decode")
+    cores = os.cpu_count() or 1
+    assert load_roles("colocated", cpu) == ("colocated",) * max(1, min(LOAD_WORKERS, cores))
+    assert load_roles("colocated", dataclasses.replace(cpu, torch_threads=cores)) == ("colocated",)
+    assert load_roles("colocated", dataclasses.replace(cpu, device="cuda")) == ("colocated",)  # one GPU's
