@@ -29,10 +29,35 @@ UNITS = {"goodput_rps": (1.0, "{:.2f}"), "ttft_p50_s": (1e3, "{:.0f}"), "ttft_p9
 UNITS["tpot_p50_s"] = (1e3, "{:.1f}")
 
 
+def _rate(run: Path) -> float | None:
+    try:
+        return float(run.name.removeprefix("rate_"))
+    except ValueError:
+        return None
+
+
 def run_folders(outs: list[Path]) -> list[Path]:
-    """``WORKLOAD/PLACEMENT/rate_R`` folders (relative) with a measured summary in every one of ``outs``."""
+    """``WORKLOAD/PLACEMENT/rate_R`` folders (relative; R a number) with a measured summary in every
+    one of ``outs``."""
     sets = [{p.parent.parent.relative_to(o) for p in o.glob("*/*/rate_*/measured/summary.json")} for o in outs]
-    return sorted(set.intersection(*sets), key=lambda p: (p.parts[0], p.parts[1], float(p.parts[2][5:])))
+    runs = [r for r in set.intersection(*sets) if _rate(r) is not None]
+    return sorted(runs, key=lambda p: (p.parts[0], p.parts[1], _rate(p)))
+
+
+def summary(path: Path) -> dict:
+    """``path`` (a summary.json) with every target figure a number or None; ValueError naming the
+    file when it is no JSON object or holds a figure of another kind."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a summary.json ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a summary.json (a JSON object)")
+    for k in TARGET_FIGURES:
+        v = data.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{path}: {k} is {v!r}, not a number")
+    return data
 
 
 def figure(values: list[float], predicted: float | None) -> dict:
@@ -48,9 +73,12 @@ def rows(outs: list[Path], predicted: Path) -> list[dict]:
     """One row per run folder: ``run`` and, per target figure, :func:`figure`."""
     out = []
     for run in run_folders(outs):
-        measured = [json.loads((o / run / "measured" / "summary.json").read_text()) for o in outs]
+        measured = [summary(o / run / "measured" / "summary.json") for o in outs]
         pred_file = predicted / run / "predicted" / "summary.json"
-        pred = json.loads(pred_file.read_text()) if pred_file.exists() else {}
+        pred = summary(pred_file) if pred_file.exists() else {}
+        for k in TARGET_FIGURES:
+            if any(m.get(k) is None for m in measured):
+                raise ValueError(f"{run}: a measured summary.json has no {k}")
         figs = {k: figure([m[k] for m in measured], pred.get(k)) for k in TARGET_FIGURES}
         out.append({"run": str(run), "figures": figs})
     return out
@@ -79,10 +107,15 @@ def main() -> int:
     p.add_argument("outs", nargs="+", type=Path, help="plan_accuracy.py --out folders")
     p.add_argument("--predicted", type=Path, default=None, help="whose predictions to hold (default: the last folder)")
     args = p.parse_args()
-    for o in args.outs:
+    for o in [*args.outs, *([args.predicted] if args.predicted else [])]:
         if not o.is_dir():
             p.error(f"{o}: no such folder")
-    found = rows(args.outs, args.predicted or args.outs[-1])
+    if len({o.resolve() for o in args.outs}) < len(args.outs):
+        p.error("a folder is given twice: each run counts once")
+    try:
+        found = rows(args.outs, args.predicted or args.outs[-1])
+    except ValueError as exc:
+        p.error(str(exc))
     if not found:
         p.error("no run folder (WORKLOAD/PLACEMENT/rate_R/measured/summary.json) is in every folder given")
     print(table(found, len(args.outs)))

@@ -100,6 +100,8 @@ def cmd_plan(args) -> int:
     if slo is None:
         raise ValueError("plan needs an SLO: give --slo-ttft-ms and --slo-tpot-ms")
     model, spec, dtype, serving = read_profile(args.profile)
+    if serving is None:
+        print("the profile has no serving section: steps take the engine's time only", flush=True)
     engine = EngineConfig(
         model=spec,
         block_size=args.block_size,

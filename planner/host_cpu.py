@@ -14,6 +14,7 @@ from pdserve.planner.serving_fit import OPTIONAL, SERVING_UNITS
 from pdserve.planner.virtual_runner import StepFactors
 
 ROUTER_WINDOW_S = 0.5  # the router's CPU use is averaged over this much of the recent past
+MAX_RATIO = 100.0  # a serving step 100x the profiled engine's is no measurement of this machine
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,19 @@ class ServingModel:
             c = coefs.get(name)
             if c is None and name in OPTIONAL:
                 continue
+            where = f"fits.{section}.coefficients.{name}"
+            if c is None:
+                raise ValueError(f"profile has no coefficient {where}")
             if not isinstance(c, dict) or "value" not in c:
-                raise ValueError(f"profile has no coefficient fits.{section}.coefficients.{name}")
+                shape = '{"value": ..., "unit": ...}'
+                raise ValueError(f"profile coefficient {where} must be an object {shape}, got {c!r}")
             v = c["value"]
-            if not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ValueError(
-                    f"profile coefficient fits.{section}.coefficients.{name} must be a number >= 0, got {v!r}"
-                )
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"profile coefficient {where} must be a number >= 0, got {v!r}")
+            # a ratio to the engine's time; a load ratio is a median of measured steps, never 0
+            if SERVING_UNITS[name] == "ratio" and (v > MAX_RATIO or (v == 0 and name.endswith("_load"))):
+                low = "> 0" if name.endswith("_load") else ">= 0"
+                raise ValueError(f"profile coefficient {where} is a ratio to the engine's: {low}, <= {MAX_RATIO:g}")
             values[name] = float(v)
         return cls(**values)
 

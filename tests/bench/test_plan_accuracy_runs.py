@@ -57,3 +57,26 @@ def test_the_script_prints_the_table_and_refuses_folders_with_nothing_in_common(
     assert bad.returncode == 2 and "no run folder" in bad.stderr
     missing = subprocess.run([sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2 and "no such folder" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("not json", "not a summary.json"),
+        ("[1, 2]", "not a summary.json"),
+        ('{"goodput_rps": "abc", "ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "tpot_p50_s": 0.02}', "goodput_rps is 'abc'"),
+        ('{"ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "tpot_p50_s": 0.02}', "has no goodput_rps"),
+    ],
+)
+def test_a_damaged_summary_is_one_error_line_naming_it(tmp_path, damage, message):
+    outs = three_runs(tmp_path)
+    (outs[1] / "w2/split-1p1/rate_8/measured/summary.json").write_text(damage)
+    (outs[0] / "w2/split-1p1/rate_x/measured").mkdir(parents=True)  # no rate: not a run folder
+    (outs[0] / "w2/split-1p1/rate_x/measured/summary.json").write_text("{}")
+    script = str(BENCHMARKS / "plan_accuracy_runs.py")
+    done = subprocess.run([sys.executable, script, *map(str, outs)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    twice = subprocess.run([sys.executable, script, str(outs[0]), str(outs[0])], capture_output=True, text=True)
+    assert twice.returncode == 2 and "given twice" in twice.stderr
+    nowhere = [sys.executable, script, *map(str, outs), "--predicted", str(tmp_path / "nope")]
+    assert "no such folder" in subprocess.run(nowhere, capture_output=True, text=True).stderr

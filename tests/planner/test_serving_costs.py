@@ -205,11 +205,19 @@ def test_prefill_factor_and_first_token_cost_follow_the_request_path():
         ("decode", "d1", float("nan"), "coefficient d1 must be a number >= 0"),
         ("serving", "r1", -5, "fits.serving.coefficients.r1 must be a number >= 0"),
         ("serving", "s0", float("nan"), "fits.serving.coefficients.s0 must be a number >= 0"),
+        ("serving", "r0", True, "fits.serving.coefficients.r0 must be a number >= 0"),
+        ("serving", "k_decode_load", 0, "k_decode_load is a ratio to the engine's: > 0, <= 100"),  # free steps
+        ("serving", "k_decode_load", 1e300, "k_decode_load is a ratio to the engine's: > 0, <= 100"),
+        ("serving", "k_prefill", 250, "k_prefill is a ratio to the engine's: >= 0, <= 100"),
     ],
 )
 def test_coefficients_that_no_machine_measures_are_refused(section, name, value, message):
     profile = with_serving(toy_profile(), SERVING)
     profile["fits"][section]["coefficients"][name]["value"] = value
     with pytest.raises(ValueError, match=message):
+        StepModel.from_profile(profile)
+        ServingModel.from_profile(profile)
+    profile["fits"][section]["coefficients"][name] = 1.5  # a bare number where an object belongs
+    with pytest.raises(ValueError, match=r"must be an object|no coefficient"):
         StepModel.from_profile(profile)
         ServingModel.from_profile(profile)
