@@ -17,8 +17,8 @@ or a prefill and a decode worker. The real router
   requests meet a lightly loaded server), with a prompt of each of ``FIRST_TOKEN_PROMPTS`` tokens
   (two output tokens). Recorded: ``ttft_s`` at the client and the worker's ``queue_s`` and
   ``prefill_s`` (its ``Timings``).
-- **Load points** (planner/serving_load.py): each placement's workers, one per core, under a steady
-  Poisson load, their engine steps traced.
+- **Load points** (planner/serving_load.py): each placement's workers (colocated: one per core)
+  under a steady Poisson load, their engine steps traced.
 
 ``planner/serving_fit.py`` fits them against the engine's step model.
 """
@@ -244,7 +244,7 @@ def add_serving(profile: dict, cfg: EngineConfig, quick: bool, say: Callable[[st
     batches of short outputs, two prompt lengths) and add the points (``points.serving``,
     ``points.first_token``), the load points' steps (``quick``: a third as many requests), and each
     placement's fit (``fits.serving``, ``fits.serving_split``, planner/serving_fit.py: the load
-    points' ratios in its ``load_steps``) to ``profile`` in place, their time to ``elapsed_s``."""
+    points' summary in its ``load``) to ``profile`` in place, their time to ``elapsed_s``."""
     from pdserve.planner.serving_load import LOAD_REQUESTS, measure_load
 
     start = time.perf_counter()
