@@ -99,6 +99,11 @@ def cmd_plan(args) -> int:
     slo = slo_from_args(args)
     if slo is None:
         raise ValueError("plan needs an SLO: give --slo-ttft-ms and --slo-tpot-ms")
+    if args.arrival != "trace" and args.max_probe_requests < args.num_requests:
+        raise ValueError(
+            f"--max-probe-requests {args.max_probe_requests} is below --num-requests {args.num_requests}: "
+            "a probe sends at least --num-requests requests"
+        )
     model, spec, dtype, serving = read_profile(args.profile)
     if serving is None:
         print("the profile has no serving section: steps take the engine's time only", flush=True)

@@ -94,6 +94,7 @@ def test_slow_decode_wants_more_decode_workers(tmp_path):
         ("4", ["--slo-ttft-ms", "100"], "--slo-tpot-ms"),
         ("4", [], "plan needs an SLO"),
         ("4", [*SLO, "--max-model-len", "32"], ""),
+        ("4", [*SLO, "--max-probe-requests", "5"], "--max-probe-requests 5 is below --num-requests"),
     ],
 )
 def test_bad_inputs_exit_2(tmp_path, workers, extra, needle):
