@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from pdserve.planner.step_model import StepModel
+from pdserve.worker.step_trace import read_steps, step_shape
 
 KINDS = ("prefill", "mixed", "decode")
 
@@ -39,24 +40,6 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def read_steps(path: Path) -> tuple[list[dict], int]:
-    """The steps of one trace file and how many of its lines are no step (a line cut short when its
-    worker was killed, anything else): those are skipped."""
-    steps, bad = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            s = json.loads(line)
-            ok = isinstance(s, dict) and s["t1"] > s["t0"] and s["cpu_ns"] >= 0 and s["b"] >= 0
-            ok = ok and s["context"] >= 0 and all(n > 0 and c >= 0 for n, c in s["chunks"])
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if ok:
-            steps.append(s)
-        elif line.strip():
-            bad += 1
-    return steps, bad
-
-
 def rows(steps: list[dict], model: StepModel) -> list[dict]:
     """One summary per kind of step present in ``steps``."""
     out = []
@@ -65,7 +48,7 @@ def rows(steps: list[dict], model: StepModel) -> list[dict]:
         if not mine:
             continue
         wall = [(s["t1"] - s["t0"]) / 1e9 for s in mine]
-        predicted = [model.batch_s([tuple(c) for c in s["chunks"]], s["b"], s["context"]) for s in mine]
+        predicted = [model.batch_s(*step_shape(s)) for s in mine]
         ratio = [w / p for w, p in zip(wall, predicted)]
         cpu = [s["cpu_ns"] / (s["t1"] - s["t0"]) for s in mine if s["t1"] > s["t0"]]
         out.append(

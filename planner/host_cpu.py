@@ -8,6 +8,7 @@ workers share a machine's cores with the router and the load generator, the slow
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass
 
 from pdserve.planner.serving_fit import OPTIONAL, SERVING_UNITS
@@ -40,7 +41,7 @@ class ServingModel:
     cpu_request_load: float | None = None
     cpu_token_load: float | None = None
 
-    @property
+    @functools.cached_property  # read for every simulated token
     def cpu_s(self) -> tuple[float, float, float]:
         """Router and client CPU seconds per (request, worker step, token) that ``HostCpu`` charges:
         ``cpu_request_load`` and ``cpu_token_load`` when measured (everything under load), else

@@ -226,17 +226,23 @@ def running_workers(cfg: EngineConfig, roles: tuple[str, ...], trace_dir: str | 
                 raise RuntimeError(f"serving probe: {why}") from None
         yield workers
     finally:
-        for _, proc, parent in started:
-            if proc.is_alive():
-                try:
-                    parent.send("stop")
-                except OSError:
-                    pass
-        for _, proc, _ in started:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        stop_processes([(proc, parent) for _, proc, parent in started])
+
+
+def stop_processes(procs: list[tuple]) -> None:
+    """Ask each live child process of ``procs`` (``(process, its end of the pipe or None)``) to stop,
+    then wait up to 30 s for each and kill what is left."""
+    for proc, conn in procs:
+        if conn is not None and proc.is_alive():
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+    for proc, _ in procs:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def add_serving(profile: dict, cfg: EngineConfig, quick: bool, say: Callable[[str], None]) -> None:

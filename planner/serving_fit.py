@@ -33,6 +33,7 @@ from __future__ import annotations
 import statistics
 
 from pdserve.planner.step_model import StepModel, error_stats, fit_relative
+from pdserve.worker.step_trace import step_shape
 
 SERVING_UNITS = {
     "s0": "s",
@@ -72,7 +73,7 @@ def step_ratios(steps: list[dict], model: StepModel) -> dict:
     ratios: dict[str, list[float]] = {"prompt": [], "decode": []}
     for s in steps:
         if s["b"] or s["chunks"]:
-            predicted = model.batch_s([tuple(c) for c in s["chunks"]], s["b"], s["context"])
+            predicted = model.batch_s(*step_shape(s))
             ratios["prompt" if s["chunks"] else "decode"].append((s["t1"] - s["t0"]) / 1e9 / predicted)
     out = {}
     for kind, r in ratios.items():

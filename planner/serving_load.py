@@ -24,7 +24,6 @@ the load generator's processes spent.
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import os
 import random
@@ -34,8 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.serving import by_role, running_workers
+from pdserve.planner.serving import by_role, running_workers, stop_processes
 from pdserve.planner.step_model import StepModel
+from pdserve.worker.step_trace import read_steps, trace_file
 
 LOAD_REQUESTS = 48
 LOAD_OUTPUTS = (16, 64)  # the load's two halves: their CPU apart gives a request's and a token's
@@ -123,21 +123,14 @@ def _load(cfg: EngineConfig, workers: list, trace_dir: Path, n: int, rate: float
     except EOFError:
         raise RuntimeError("serving probe: the load generator exited without an answer") from None
     finally:
-        for proc, conn in ((client, None), (router, router_conn)):
-            if proc is None:
-                continue
-            if conn is not None and proc.is_alive():
-                conn.send("stop")
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        stop_processes([(p, c) for p, c in ((client, None), (router, router_conn)) if p is not None])
     if "error" in out:
         raise RuntimeError(f"serving probe: {out['error']}")
     start_ns, end_ns = out.pop("window_ns")
     steps: dict[str, list[dict]] = {}
     for role, _, pid in workers:  # the steps that started while the load ran
-        steps.setdefault(role, []).extend(s for s in _read_steps(trace_dir, pid) if start_ns <= s["t0"] < end_ns)
+        traced, _ = read_steps(trace_file(trace_dir, pid))
+        steps.setdefault(role, []).extend(s for s in traced if start_ns <= s["t0"] < end_ns)
     return {**out, "steps": steps, "rate_rps": rate}
 
 
@@ -191,9 +184,3 @@ async def _send(address: str, router_pid: int, warm_ups: int, n: int, rate: floa
 def _cpu_s(proc) -> float:
     t = proc.cpu_times()
     return t.user + t.system
-
-
-def _read_steps(trace_dir: Path, pid: int) -> list[dict]:
-    """The steps worker ``pid`` traced so far (none before its first step)."""
-    path = trace_dir / f"steps-{pid}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

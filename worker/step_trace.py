@@ -19,11 +19,41 @@ from pathlib import Path
 ENV = "PDSERVE_STEP_TRACE"
 
 
+def trace_file(folder: str | Path, pid: int) -> Path:
+    """Where worker process ``pid`` writes its steps in ``folder``."""
+    return Path(folder) / f"steps-{pid}.jsonl"
+
+
+def read_steps(path: Path) -> tuple[list[dict], int]:
+    """The steps of one trace file and how many of its lines are no step (a line cut short when its
+    worker was killed, anything else): those are skipped. No file: no steps."""
+    if not path.exists():
+        return [], 0
+    steps, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            s = json.loads(line)
+            ok = isinstance(s, dict) and s["t1"] > s["t0"] and s["cpu_ns"] >= 0 and s["b"] >= 0
+            ok = ok and s["context"] >= 0 and all(n > 0 and c >= 0 for n, c in s["chunks"])
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            steps.append(s)
+        elif line.strip():
+            bad += 1
+    return steps, bad
+
+
+def step_shape(step: dict) -> tuple[list[tuple[int, int]], int, int]:
+    """A traced step's ``(chunks, b, context)``, as ``StepModel.batch_s`` takes them."""
+    return [tuple(c) for c in step["chunks"]], step["b"], step["context"]
+
+
 class StepTrace:
-    """``LLMEngine.step_trace`` writing to ``folder/steps-<pid>.jsonl`` (OSError when it cannot)."""
+    """``LLMEngine.step_trace`` writing to ``trace_file(folder, pid)`` (OSError when it cannot)."""
 
     def __init__(self, folder: str | Path) -> None:
-        path = Path(folder) / f"steps-{os.getpid()}.jsonl"
+        path = trace_file(folder, os.getpid())
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered: a worker may be killed)
 
