@@ -42,7 +42,7 @@ _SOURCE_NAMES = (
     "argmax_bf16.cpp",
 )
 SOURCES = tuple(CSRC / name for name in _SOURCE_NAMES)
-HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h")
+HEADERS = (CSRC / "vec_math.h", CSRC / "amx_tiles.h", CSRC / "amx_attention_packed.h")
 FLAGS = ("-O3", "-std=c++17", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F, _N = ctypes.c_float, ctypes.c_int

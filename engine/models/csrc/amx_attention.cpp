@@ -16,6 +16,12 @@
 // Taking the maximum over all positions first (two passes), rather than the online softmax, leaves
 // the output tiles in place across the whole sum.
 //
+// A prompt's rows make many items of each KV head (a 1,024-token prompt with 3 query heads a KV head:
+// 205), each of which would read K and interleave V afresh. So a sequence of at least kPackItems
+// items a KV head has its K and V packed once (pack_head: K^T as B tiles, V interleaved as pass 2
+// takes it), and its items (attend_packed) compute the scores as S [16 columns, 16 positions] = Q . K^T
+// over them: each score sums the same products in the same order as S^T's, so the bits are the same.
+//
 // Each element of a tile product depends on its own row and column only, and the steps are aligned
 // to absolute positions (16 for scores, 32 for P . V), with exact zeros where a row does not see a
 // position. So a query row gets the same bits whichever rows share its item: a decode step and a
@@ -25,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -44,11 +51,14 @@ namespace {
 
 constexpr int kMaxDim = 256;
 constexpr int64_t kAhead = 16;  // positions ahead whose K and V rows pass 1 asks for
+constexpr int64_t kPackItems = 4;  // items a KV head from which a sequence's K and V are packed once
+constexpr int64_t kPackBytes = 1 << 20;  // packed K and V a round holds, per thread (within its L2 cache)
 
 struct Buffers {  // one thread's
   std::vector<float> s;        // [16, npos] scores
   std::vector<uint16_t> p;     // [16, npos] bfloat16 probabilities (rows past the item's columns 0)
   alignas(64) uint16_t qt[kMaxDim / 32][16][32];  // Q^T B tiles: [step][pair of dims][column, 2]
+  alignas(64) uint16_t qa[16][kMaxDim];           // Q A tiles (packed heads): [column][dim]
   alignas(64) float c[16 * 16];
   alignas(64) uint16_t vb[4][16][32];  // V B tiles of one step, one per 16 dims: [pair of positions][dims x 2]
   alignas(64) float o[16][kMaxDim];    // out in acc_slot order
@@ -179,6 +189,8 @@ void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t*
   }
 }
 
+#include "amx_attention_packed.h"
+
 }  // namespace
 
 namespace pdserve {
@@ -195,23 +207,73 @@ bool amx_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cach
       groups > 16 || !amx_granted())
     return false;
   const int64_t rows_per_item = 16 / groups, row = num_kv_heads * head_dim;
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query row)
-  for (int64_t b = 0; b < num_seqs; ++b)
-    for (int64_t r = 0; r < query_start_loc[b + 1] - query_start_loc[b]; r += rows_per_item) tiles.emplace_back(b, r);
-  const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  const auto npos_of = [&](int64_t b) { return (static_cast<int64_t>(seq_lens[b]) + 31) / 32 * 32; };
+  // Sequences with at least kPackItems items a KV head get their K and V packed once (pack_head), in
+  // rounds of whole sequences whose tiles fit about kPackBytes a thread, each round packed and then
+  // attended while its tiles are still in the caches. The other items (decode rows, short chunks)
+  // follow in one more round, through attend_item.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rounds(1);  // items' (sequence, first query row)
+  std::vector<std::vector<int64_t>> round_seqs(1);
+  std::vector<int64_t> packed_at(num_seqs, -1);  // the sequence's offset in its round's tiles, in elements
+  std::vector<std::pair<int64_t, int64_t>> rest;
+  int64_t round_elems = 0, scratch_elems = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t nq = query_start_loc[b + 1] - query_start_loc[b];
+    if (nq < kPackItems * rows_per_item) {
+      for (int64_t r = 0; r < nq; r += rows_per_item) rest.emplace_back(b, r);
+      continue;
+    }
+    const int64_t elems = npos_of(b) * head_dim * 2 * num_kv_heads;  // K^T and V of every KV head
+    if (round_elems > 0 && (round_elems + elems) * 2 > kPackBytes * num_threads) {
+      rounds.emplace_back();
+      round_seqs.emplace_back();
+      round_elems = 0;
+    }
+    packed_at[b] = round_elems;
+    round_elems += elems;
+    scratch_elems = std::max(scratch_elems, round_elems);
+    round_seqs.back().push_back(b);
+    for (int64_t r = 0; r < nq; r += rows_per_item) rounds.back().emplace_back(b, r);
+  }
+  uint16_t* const packed = pack_scratch(scratch_elems);
+  // where (sequence b, KV head h)'s K^T and V tiles start
+  const auto pack_of = [&](int64_t b, int64_t h) {
+    uint16_t* kt = packed + packed_at[b] + h * npos_of(b) * head_dim * 2;
+    return std::make_pair(kt, kt + npos_of(b) * head_dim);
+  };
+  const auto pack = head_dim == 64 ? pack_head<64> : head_dim == 128 ? pack_head<128> : pack_head<256>;
+  const auto attend_pack = head_dim == 64 ? attend_packed<64> : head_dim == 128 ? attend_packed<128> : attend_packed<256>;
+  const auto attend = head_dim == 64 ? attend_item<64> : head_dim == 128 ? attend_item<128> : attend_item<256>;
 #pragma omp parallel num_threads(num_threads)
   {
     configure_tiles();
     Buffers buf;
+    for (size_t g = 0; g < rounds.size(); ++g) {
+      const int64_t units = static_cast<int64_t>(round_seqs[g].size()) * num_kv_heads;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t b = round_seqs[g][unit / num_kv_heads], h = unit % num_kv_heads;
+        const auto [kt, vb] = pack_of(b, h);
+        pack(kt, vb, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b], npos_of(b), h, row, block_size,
+             buf.zero);
+      }
+      const int64_t items = static_cast<int64_t>(rounds[g].size()) * num_kv_heads;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < items; ++item) {
+        const auto [b, r0] = rounds[g][item / num_kv_heads];
+        const int64_t h = item % num_kv_heads, nq = query_start_loc[b + 1] - query_start_loc[b];
+        const auto [kt, vb] = pack_of(b, h);
+        attend_pack(buf, out, q, kt, vb, r0, std::min(rows_per_item, nq - r0), h, nq, seq_lens[b], query_start_loc[b],
+                    num_heads, groups, q_stride, scale, window);
+      }
+    }
+    const int64_t items = static_cast<int64_t>(rest.size()) * num_kv_heads;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const auto [b, r0] = tiles[item / num_kv_heads];
+      const auto [b, r0] = rest[item / num_kv_heads];
       const int64_t h = item % num_kv_heads, nq = query_start_loc[b + 1] - query_start_loc[b];
-      const int64_t rows = std::min(rows_per_item, nq - r0);
-      const int32_t* table = block_tables + b * max_blocks;
-      const auto attend = head_dim == 64 ? attend_item<64> : head_dim == 128 ? attend_item<128> : attend_item<256>;
-      attend(buf, out, q, k_cache, v_cache, table, b, r0, rows, h, nq, seq_lens[b], query_start_loc[b], num_heads,
-             groups, row, block_size, q_stride, scale, window);
+      attend(buf, out, q, k_cache, v_cache, block_tables + b * max_blocks, b, r0, std::min(rows_per_item, nq - r0), h,
+             nq, seq_lens[b], query_start_loc[b], num_heads, groups, row, block_size, q_stride, scale, window);
     }
     _tile_release();
   }

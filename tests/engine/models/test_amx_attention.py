@@ -24,6 +24,9 @@ CASES = [  # (query rows per sequence, sequence lengths, heads, kv heads, head_d
     ([16, 1], [16, 40], 16, 1, 64, 16, 0),
     ([7, 1], [7, 35], 4, 4, 64, 16, 0),
     ([12, 1], [12, 45], 4, 1, 256, 16, 20),  # Gemma 3's shape, a sliding-window layer
+    # prompts whose K and V are packed (at least 4 items a KV head) in two rounds of about 1 MB a
+    # thread, beside a decode row and a short chunk that are not
+    ([300, 1, 200, 20, 260, 280], [300, 60, 230, 100, 260, 280], 8, 4, 128, 16, 0),
 ]
 
 
