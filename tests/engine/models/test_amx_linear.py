@@ -1,7 +1,7 @@
 """The AMX tile kernel (engine/models/csrc/amx_linear.cpp) that bfloat16 ``DenseLinear`` runs on
 CPUs with AMX, over the same packed weight as the AVX-512 kernel: its output against float64
 arithmetic at every shape of tail (channels in blocks of 16 and 32, rows in blocks of 16 and 32, rows
-past one chunk), each row the same bits whatever the number of rows beside it, and where
+past one block of rows, inputs in spans), each row the same bits whatever the number of rows beside it, and where
 ``make_linear`` takes it. The kernel tests skip on CPUs without AMX; the choice tests run everywhere.
 
 Tolerance: as tests/engine/models/test_dense_linear.py's (products of bfloat16 numbers are exact in
@@ -18,7 +18,9 @@ from pdserve.engine.models.kernels import DenseLinear, KernelUnavailable, dense_
 
 # [out_features, in_features]: 16-channel blocks even (96) and odd (208, 1008, 48); in_features 32 and up
 SHAPES = [(96, 576), (208, 1536), (1008, 64), (48, 32)]
-ROWS = [1, 3, 15, 16, 17, 31, 32, 33, 48, 100]  # one or two 16-row tiles in the last block; 100 x 1536: chunks
+# one or two 16-row tiles in the last block; up to 32 rows all inputs at once, more in spans of 256 inputs
+# (576, 1536), 300 rows in two blocks of rows (256 and 44)
+ROWS = [1, 3, 15, 16, 17, 31, 32, 33, 48, 100, 300]
 
 
 def _lib():
@@ -62,9 +64,10 @@ def test_tiles_match_exact_arithmetic(shape, threads, bias):
 
 def test_each_row_is_the_same_bits_alone_or_beside_any_number_of_rows():
     lin = _linear(_lib(), _weight((208, 1536)))
-    x = torch.randn(70, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(290, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
     batch = lin(x)
-    for i in (0, 13, 31, 40, 69):  # alone (a decode row), then at another place in a tile or in the padded block
+    # alone (a decode row), then at another place in a tile, in the padded block or in the second block of rows
+    for i in (0, 13, 31, 40, 69, 255, 256, 289):
         assert torch.equal(lin(x[i : i + 1]), batch[i : i + 1]), i
         assert torch.equal(lin(x[i : i + 5]), batch[i : i + 5]), i
 
