@@ -66,6 +66,61 @@ struct Buffers {  // one thread's
   alignas(64) uint16_t zero[kMaxDim] = {};
 };
 
+// p = exp(s - max) rounded to bfloat16 over one column's npos scores s (-inf where it sees no
+// position, p 0 there), max the lanes' maxima mx; returns the column's sum of p.
+inline float softmax_row(const float* s, uint16_t* p, int64_t npos, __m512 mx) {
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < npos; t += 16) {
+    const __m512 sv = _mm512_loadu_ps(s + t);
+    const __mmask16 seen = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(seen, pdserve::exp_approx16(_mm512_sub_ps(sv, m)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Pass 2 for 64 dims (`half`): buf.o's [16 columns, those dims] = P . V over positions p0 .. p1, 32 a
+// step: P (buf.p, row stride npos) the A tile, V's four B tiles of positions t .. t + 31 (1 KB apart,
+// interleaved as buf.vb) at v_tiles(t).
+template <typename VTiles>
+inline void pv_half(Buffers& buf, int64_t p0, int64_t p1, int64_t npos, int half, VTiles v_tiles) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = p0; t < p1; t += 32) {
+    const uint16_t* b = v_tiles(t);
+    _tile_loadd(4, buf.p.data() + (t - p0), npos * 2);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b + 512, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, b + 1024, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b + 1536, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, &buf.o[0][64 * half], kMaxDim * 4);
+  _tile_stored(1, &buf.o[0][64 * half + 16], kMaxDim * 4);
+  _tile_stored(2, &buf.o[0][64 * half + 32], kMaxDim * 4);
+  _tile_stored(3, &buf.o[0][64 * half + 48], kMaxDim * 4);
+}
+
+// The item's cols outputs (buf.o in acc_slot order, over each column's sum l) into out as bfloat16.
+template <int kDim>
+inline void store_out(const Buffers& buf, uint16_t* out, const float* l, int64_t cols, int64_t first_row,
+                      int64_t num_heads, int64_t h, int64_t groups) {
+  for (int64_t j = 0; j < cols; ++j) {
+    uint16_t* op = out + ((first_row + j / groups) * num_heads + h * groups + j % groups) * kDim;
+    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+    alignas(64) float o[kDim];
+    for (int64_t d = 0; d < kDim; ++d) o[d] = buf.o[j][pdserve::acc_slot(d)] * inv;
+    for (int64_t d = 0; d < kDim; d += 16) pdserve::store_bf16x16(op + d, _mm512_load_ps(o + d));
+  }
+}
+
 template <int kDim>
 void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                  const int32_t* table, int64_t b, int64_t r0, int64_t rows, int64_t h, int64_t nq, int64_t seq_len,
@@ -133,25 +188,11 @@ void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t*
     }
   }
   float l[16];
-  for (int64_t j = 0; j < cols; ++j) {
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[j]));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < npos; t += 16) {
-      const __m512 sv = _mm512_loadu_ps(S + j * npos + t);
-      const __mmask16 seen = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-      const __m512 p = _mm512_maskz_mov_ps(seen, pdserve::exp_approx16(_mm512_sub_ps(sv, m)));
-      sum = _mm512_add_ps(sum, p);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.p.data() + j * npos + t), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-    l[j] = _mm512_reduce_add_ps(sum);
-  }
-  // pass 2: P . V, 32 positions (16 pairs) a step, 64 dims (4 C tiles) at a time
-  for (int half = 0; half < kDim / 64; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t = p0; t < p1; t += 32) {
+  for (int64_t j = 0; j < cols; ++j) l[j] = softmax_row(S + j * npos, buf.p.data() + j * npos, npos, mx[j]);
+  // pass 2: P . V, 32 positions (16 pairs) a step, 64 dims (4 C tiles) at a time; V's rows interleaved
+  // into buf.vb as the step takes them
+  for (int half = 0; half < kDim / 64; ++half)
+    pv_half(buf, p0, p1, npos, half, [&](int64_t t) {
       // positions t .. t + 15 and t + 16 .. t + 31 each lie in one block (block_size % 16 == 0)
       const uint16_t* base[2];
       for (int x = 0; x < 2; ++x)
@@ -166,28 +207,9 @@ void attend_item(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_t*
           _mm512_store_si512(buf.vb[2 * x + 1][i], _mm512_unpackhi_epi16(ra, rb));
         }
       }
-      _tile_loadd(4, buf.p.data() + (t - p0), npos * 2);
-      _tile_loadd(5, buf.vb[0], 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, buf.vb[1], 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, buf.vb[2], 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, buf.vb[3], 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, &buf.o[0][64 * half], kMaxDim * 4);
-    _tile_stored(1, &buf.o[0][64 * half + 16], kMaxDim * 4);
-    _tile_stored(2, &buf.o[0][64 * half + 32], kMaxDim * 4);
-    _tile_stored(3, &buf.o[0][64 * half + 48], kMaxDim * 4);
-  }
-  for (int64_t j = 0; j < cols; ++j) {
-    uint16_t* op = out + ((q_start + r0 + j / groups) * num_heads + h * groups + j % groups) * kDim;
-    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-    alignas(64) float o[kDim];
-    for (int64_t d = 0; d < kDim; ++d) o[d] = buf.o[j][pdserve::acc_slot(d)] * inv;
-    for (int64_t d = 0; d < kDim; d += 16) pdserve::store_bf16x16(op + d, _mm512_load_ps(o + d));
-  }
+      return &buf.vb[0][0][0];
+    });
+  store_out<kDim>(buf, out, l, cols, q_start + r0, num_heads, h, groups);
 }
 
 #include "amx_attention_packed.h"

@@ -125,46 +125,11 @@ void attend_packed(Buffers& buf, uint16_t* out, const uint16_t* q, const uint16_
       _mm512_storeu_ps(Sj + t - p0, sv);
       mx = _mm512_max_ps(mx, sv);
     }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < npos; t += 16) {
-      const __m512 sv = _mm512_loadu_ps(Sj + t);
-      const __mmask16 seen = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-      const __m512 p = _mm512_maskz_mov_ps(seen, pdserve::exp_approx16(_mm512_sub_ps(sv, m)));
-      sum = _mm512_add_ps(sum, p);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf.p.data() + j * npos + t), (__m256i)_mm512_cvtneps_pbh(p));
-    }
-    l[j] = _mm512_reduce_add_ps(sum);
+    l[j] = softmax_row(Sj, buf.p.data() + j * npos, npos, mx);
   }
   // pass 2: P . V over the packed V tiles
-  for (int half = 0; half < kDim / 64; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t = p0; t < p1; t += 32) {
-      const uint16_t* b = vb + ((t / 32) * (kDim / 64) + half) * 2048;
-      _tile_loadd(4, buf.p.data() + (t - p0), npos * 2);
-      _tile_loadd(5, b, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 512, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, b + 1024, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, b + 1536, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, &buf.o[0][64 * half], kMaxDim * 4);
-    _tile_stored(1, &buf.o[0][64 * half + 16], kMaxDim * 4);
-    _tile_stored(2, &buf.o[0][64 * half + 32], kMaxDim * 4);
-    _tile_stored(3, &buf.o[0][64 * half + 48], kMaxDim * 4);
-  }
-  for (int64_t j = 0; j < cols; ++j) {
-    uint16_t* op = out + ((q_start + r0 + j / groups) * num_heads + h * groups + j % groups) * kDim;
-    const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-    alignas(64) float o[kDim];
-    for (int64_t d = 0; d < kDim; ++d) o[d] = buf.o[j][pdserve::acc_slot(d)] * inv;
-    for (int64_t d = 0; d < kDim; d += 16) pdserve::store_bf16x16(op + d, _mm512_load_ps(o + d));
-  }
+  for (int half = 0; half < kDim / 64; ++half)
+    pv_half(buf, p0, p1, npos, half, [&](int64_t t) { return vb + ((t / 32) * (kDim / 64) + half) * 2048; });
+  store_out<kDim>(buf, out, l, cols, q_start + r0, num_heads, h, groups);
 }
 
