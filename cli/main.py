@@ -33,6 +33,11 @@ def cmd_throughput(args) -> int:
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: no such folder")
+    if args.max_model_len is not None and args.input_len + args.output_len > args.max_model_len:
+        raise ValueError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the context window of "
+            f"{args.max_model_len} tokens (--max-model-len)"
+        )
     result = run_throughput(
         engine_config_from_args(args), args.num_prompts, args.input_len, args.output_len, seed=args.seed
     )
@@ -74,6 +79,19 @@ def add_throughput_parser(sub) -> None:
     p.set_defaults(func=cmd_throughput)
 
 
+def _rpc_error(args, exc) -> str:
+    """One line for a failed call; where the connection itself failed (no router at that address), the
+    address tried and what to do. A router that answers UNAVAILABLE (its workers gone) keeps its words."""
+    import grpc
+
+    unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "")
+    if unreachable and hasattr(args, "router"):
+        where = getattr(args, "router", None) or f"127.0.0.1:{getattr(args, 'port', 50051)}"
+        hint = "start one with `pdserve serve`, or pass --router HOST:PORT"
+        return f"no router answers at {where} ({hint}): {exc.details()}"
+    return f"{exc.code().name}: {exc.details()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a pdserve command. Mistakes a user can fix (bad flags or files, a router that does not
     answer, a cluster that cannot start) print one ``error:`` line and exit 2; Ctrl-C exits 130
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except grpc.aio.AioRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"error: {_rpc_error(args, exc)}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
