@@ -29,7 +29,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <new>
 
 #include "amx_tiles.h"
 #include "vec_math.h"
@@ -162,7 +161,7 @@ extern "C" void pdserve_bf16_amx_linear(const uint16_t* x, const uint16_t* packe
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
-    std::unique_ptr<float[]> parked(new (std::align_val_t(64)) float[kBlockM * 32]);  // C tiles, [rows, 32]
+    alignas(64) float parked[kBlockM * 32];  // C tiles, [rows, 32]: 32 KB of the thread's stack
     for (int64_t chunk = 0; chunk < M; chunk += kBlockM) {
       const int64_t chunk_end = std::min(M, chunk + kBlockM);
 #pragma omp for schedule(static)
@@ -172,11 +171,11 @@ extern "C" void pdserve_bf16_amx_linear(const uint16_t* x, const uint16_t* packe
         for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
           for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) {
             const uint16_t* xr = m0 + 32 <= M ? x + m0 * K : pad.get();
-            float* c = parked.get() + (m0 - chunk) * 32;
+            float* c = parked + (m0 - chunk) * 32;
             tile_span(xr, K, packed, K, nb, c, two, k0, std::min(K, k0 + kBlockK));
           }
         }
-        for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) store(parked.get() + (m0 - chunk) * 32, m0, nb, two);
+        for (int64_t m0 = chunk; m0 < chunk_end; m0 += 32) store(parked + (m0 - chunk) * 32, m0, nb, two);
       }
     }
     _tile_release();
