@@ -54,6 +54,7 @@ constexpr int kMaxDim = 256;
 constexpr int64_t kAhead = 16;  // positions ahead whose K and V rows pass 1 asks for
 constexpr int64_t kPackItems = 4;  // items a KV head from which a sequence's K and V are packed once
 constexpr int64_t kPackBytes = 1 << 20;  // packed K and V a round holds, per thread (within its L2 cache)
+constexpr int64_t kKeptPackBytes = 16 << 20;  // packed tiles' buffer a calling thread keeps between calls
 
 struct Buffers {  // one thread's
   std::vector<float> s;        // [16, npos] scores
@@ -258,7 +259,8 @@ bool amx_attention_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cach
     round_seqs.back().push_back(b);
     for (int64_t r = 0; r < nq; r += rows_per_item) rounds.back().emplace_back(b, r);
   }
-  uint16_t* const packed = pack_scratch(scratch_elems);
+  const PackScratch scratch(scratch_elems);
+  uint16_t* const packed = scratch.data();
   // The rest runs in one contiguous run of items a thread rather than item by item: a thread then takes
   // every KV head of its sequences in turn, and the lines of a block of the cache that the hardware
   // prefetchers bring in beside its head's (the heads share each slot's 512 bytes for 4 KV heads of 64

@@ -3,22 +3,34 @@
 // inside its anonymous namespace, after its Buffers and constants.
 #pragma once
 
-// pack_head's tiles of one call, kept by the calling thread from call to call (a prompt's K and V: 8 MB
-// for 32 prompts of 256 tokens of 4 KV heads of 64 dims), so a call neither allocates nor zeroes them
-uint16_t* pack_scratch(int64_t elems) {
-  struct Scratch {
+// pack_head's tiles of one call. A round holds about kPackBytes a thread, more only for one long
+// sequence; the calling thread keeps a buffer of up to kKeptPackBytes from call to call, so most calls
+// neither allocate nor zero one, and a larger round (a long context) gets its own, freed with the call.
+class PackScratch {
+ public:
+  explicit PackScratch(int64_t elems) {
+    thread_local Buffer kept;
+    Buffer& buf = elems * static_cast<int64_t>(sizeof(uint16_t)) <= kKeptPackBytes ? kept : own_;
+    buf.reserve(elems);
+    data_ = buf.data;
+  }
+  uint16_t* data() const { return data_; }
+
+ private:
+  struct Buffer {
     uint16_t* data = nullptr;
     int64_t size = 0;
-    ~Scratch() { ::operator delete(data, std::align_val_t(64)); }
+    void reserve(int64_t elems) {
+      if (elems <= size) return;
+      ::operator delete(data, std::align_val_t(64));
+      data = static_cast<uint16_t*>(::operator new(elems * sizeof(uint16_t), std::align_val_t(64)));
+      size = elems;
+    }
+    ~Buffer() { ::operator delete(data, std::align_val_t(64)); }
   };
-  thread_local Scratch scratch;
-  if (elems > scratch.size) {
-    ::operator delete(scratch.data, std::align_val_t(64));
-    scratch.data = static_cast<uint16_t*>(::operator new(elems * sizeof(uint16_t), std::align_val_t(64)));
-    scratch.size = elems;
-  }
-  return scratch.data;
-}
+  Buffer own_;
+  uint16_t* data_ = nullptr;
+};
 
 // One sequence's K and V of one KV head, packed once for all the items of its query rows (a prompt of
 // many rows has 16 / groups rows an item, each of which would read K and interleave V afresh):

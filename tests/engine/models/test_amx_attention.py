@@ -27,6 +27,8 @@ CASES = [  # (query rows per sequence, sequence lengths, heads, kv heads, head_d
     # prompts whose K and V are packed (at least 4 items a KV head) in two rounds of about 1 MB a
     # thread, beside a decode row and a short chunk that are not
     ([300, 1, 200, 20, 260, 280], [300, 60, 230, 100, 260, 280], 8, 4, 128, 16, 0),
+    # a chunk of a long context: its packed tiles (34 MB) outgrow the buffer a thread keeps between calls
+    ([64], [8192], 8, 8, 128, 16, 0),
 ]
 
 
