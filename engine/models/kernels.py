@@ -1,7 +1,8 @@
 """Build, cache and load the C++ CPU kernels in ``csrc/`` (no torch headers, loaded with ctypes).
 
-``csrc/paged_attention.cpp``: paged attention (decode and prefill). ``csrc/elementwise_bf16.cpp``: fused
-bfloat16 RMSNorm (+ residual add), SiLU-and-multiply and RoPE. ``csrc/quant_linear.cpp``: int8 and
+``csrc/paged_attention.cpp``: paged attention (decode and prefill). ``csrc/elementwise_bf16.cpp`` and
+``csrc/elementwise_f32.cpp``: fused bfloat16 and float32 RMSNorm (+ residual add), SiLU-and-multiply and
+RoPE. ``csrc/quant_linear.cpp``: int8 and
 int4 weights times int8-quantized bfloat16 activations (AVX512-VNNI). ``csrc/dense_linear.cpp``:
 bfloat16 (AVX512-BF16) and float32 (AVX-512F) weights times activations of their dtype.
 ``csrc/decoder_stack.cpp``: a Llama-style bfloat16 decoder stack through those kernels in one call.
@@ -34,6 +35,7 @@ CSRC = Path(__file__).with_name("csrc")
 _SOURCE_NAMES = (
     "paged_attention.cpp",
     "elementwise_bf16.cpp",
+    "elementwise_f32.cpp",
     "quant_linear.cpp",
     "dense_linear.cpp",
     "amx_linear.cpp",
@@ -51,6 +53,9 @@ _ELEMENTWISE_ARGS = {
     "pdserve_add_rms_norm_bf16": [_P, _P, _P, _P, _I, _I, _F, _N],
     "pdserve_silu_mul_bf16": [_P, _P, _I, _I, _N],
     "pdserve_rope_bf16": [_P, _P, _P, _I, _I, _I, _I, _N],
+    "pdserve_add_rms_norm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
+    "pdserve_silu_mul_f32": [_P, _P, _I, _I, _N],
+    "pdserve_rope_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
     "pdserve_int8_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_int4_linear_bf16": [_P, _P, _P, _P, _I, _I, _I, _N],
     "pdserve_bf16_linear": [_P, _P, _P, _P, _I, _I, _I, _N],

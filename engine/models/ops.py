@@ -1,11 +1,12 @@
 """The decoder's elementwise ops (RMSNorm with residual add, SiLU-and-multiply, RoPE, the KV cache
 write), chosen once.
 
-``TorchOps`` is transformers' eager arithmetic op for op, so float32 output stays token-identical
-to ``generate()``. ``CpuBf16Ops`` runs each as one fused C++ pass (``csrc/elementwise_bf16.cpp``)
-on bfloat16 CPU tensors (the KV write: ``csrc/paged_attention.cpp``, one call a layer), where eager
-torch makes 3-8 passes and float32 round trips; it rounds
-where eager bf16 rounds, so it differs only by an ulp where exp() or a sum order does.
+``TorchOps`` is transformers' eager arithmetic op for op. ``CpuBf16Ops`` and ``CpuF32Ops`` run each
+op as one fused C++ pass (``csrc/elementwise_bf16.cpp``, ``csrc/elementwise_f32.cpp``; the KV write:
+``csrc/paged_attention.cpp``, one call a layer) on CPU tensors of their dtype, where eager torch makes
+3-8 passes (and, in bfloat16, float32 round trips). They round where eager torch rounds, so they
+differ from it only by an ulp where exp() or the order of a sum does (RMSNorm's sum of squares,
+SiLU's exp); the residual add and RoPE give the same bits.
 """
 
 from __future__ import annotations
@@ -81,15 +82,18 @@ class TorchOps:
         flat[1].index_copy_(0, slot_mapping, v)
 
 
-class CpuBf16Ops:
-    name = "cpu-bf16"
+class CpuFusedOps:
+    """The fused C++ ops for CPU tensors of one dtype (``SUFFIX`` names their symbols)."""
+
+    SUFFIX = ""
 
     def __init__(self) -> None:
         lib = load_cpu_kernels()
+        self.name = f"cpu-{self.SUFFIX}"
         self._norm, self._silu, self._rope, self._write_kv = (
-            lib.pdserve_add_rms_norm_bf16,
-            lib.pdserve_silu_mul_bf16,
-            lib.pdserve_rope_bf16,
+            getattr(lib, f"pdserve_add_rms_norm_{self.SUFFIX}"),
+            getattr(lib, f"pdserve_silu_mul_{self.SUFFIX}"),
+            getattr(lib, f"pdserve_rope_{self.SUFFIX}"),
             lib.pdserve_write_kv,
         )
 
@@ -127,11 +131,21 @@ class CpuBf16Ops:
         )  # fmt: skip
 
 
+class CpuBf16Ops(CpuFusedOps):
+    SUFFIX = "bf16"
+
+
+class CpuF32Ops(CpuFusedOps):
+    SUFFIX = "f32"
+
+
 def select_ops(device: torch.device, dtype: torch.dtype) -> ElementwiseOps:
-    """``CpuBf16Ops`` for bfloat16 on a CPU where the kernels build, else ``TorchOps``."""
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    """``CpuBf16Ops`` / ``CpuF32Ops`` for bfloat16 / float32 on a CPU where the kernels build, else
+    ``TorchOps``."""
+    fused = {torch.bfloat16: CpuBf16Ops, torch.float32: CpuF32Ops}.get(dtype)
+    if device.type == "cpu" and fused is not None:
         try:
-            return CpuBf16Ops()
+            return fused()
         except KernelUnavailable as exc:
             log.warning("elementwise ops: torch (%s)", exc)
     return TorchOps()

@@ -10,7 +10,9 @@
 // the cache dtype. On CPUs with AVX512-BF16 (Intel Cooper Lake+, AMD Zen 4+), bfloat16 scores use
 // the bf16 dot-product instruction (vdpbf16ps: exact products, float32 sums) for head_dim a
 // multiple of 32: 1.4x faster. There p . v takes two positions per instruction too, with p rounded to
-// bfloat16 first, as SDPA's CPU kernel rounds its probabilities before the product with V.
+// bfloat16 first, as SDPA's CPU kernel rounds its probabilities before the product with V. float32
+// with head_dim 64 or 128 takes the same shape of work with FMAs (attend_chunk_f32): decode at batch
+// 32 and 256 positions 14.2 -> 11.9 ms a step, a 256-token prompt's attention 21.9 -> 13.5 ms.
 //
 // Layouts (row-major):
 //   q               [num_query_rows, num_heads, head_dim], row i at q + i * q_stride
@@ -32,7 +34,7 @@
 #include <vector>
 
 #include "vec_math.h"
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -122,7 +124,7 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(static_cast<const char*>(p) + c);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // out[j] = the sum of v[j]'s 16 lanes, for j < 16: a transposing reduction tree (15 shuffle pairs and
 // adds for 16 rows, where one horizontal sum per row costs about as much each).
 inline __m512 row_sums16(const __m512 (&v)[16]) {
@@ -141,6 +143,73 @@ inline __m512 row_sums16(const __m512 (&v)[16]) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+// attend_chunk for float32 with head_dim 64 or 128: the scores of 16 positions by FMAs into one
+// vector a position and one reduction tree (where the generic loop sums each dot product across its
+// lanes), and p . v with each group's accumulators in registers, several groups per pass over the
+// V rows (where the generic loop loads and stores them for every position).
+template <int kHeadDim>
+void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const float* v, const int64_t* slots, int64_t n,
+                      int64_t row, int64_t groups, float softcap) {
+  constexpr int kF = kHeadDim / 16, kPassGroups = 16 / kF;
+  static_assert(kChunk == 16, "one reduction tree scores a chunk");
+  alignas(64) float capped[kChunk];  // softcap's scalar pass
+  alignas(64) float pf[kMaxGroups][kChunk];
+  float corr[kMaxGroups];
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);  // n <= 16 positions in this chunk
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 qv[kF];
+    for (int f = 0; f < kF; ++f) qv[f] = _mm512_loadu_ps(st.qf[g] + 16 * f);  // q already scaled
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) {
+      part[j] = _mm512_setzero_ps();
+      if (j < n) {
+        const float* kp = k + slots[j] * row;
+        part[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
+        for (int f = 1; f < kF; ++f) part[j] = _mm512_fmadd_ps(qv[f], _mm512_loadu_ps(kp + 16 * f), part[j]);
+      }
+    }
+    __m512 sv = row_sums16(part);
+    if (softcap > 0.f) {
+      _mm512_store_ps(capped, sv);
+      cap_scores(capped, n, softcap);
+      sv = _mm512_load_ps(capped);
+    }
+    // online softmax update, 16 positions at once; lanes past n weigh 0
+    const float mx = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, sv));
+    corr[g] = pdserve::exp_approx(st.m[g] - mx);
+    const __m512 p = _mm512_maskz_mov_ps(valid, pdserve::exp_approx16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+    _mm512_store_ps(pf[g], p);
+    st.l[g] = st.l[g] * corr[g] + _mm512_reduce_add_ps(p);
+    st.m[g] = mx;
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
+    const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
+    __m512 acc[kPassGroups][kF];
+    for (int g = 0; g < kPassGroups; ++g) {
+      if (g < gc) {
+        const __m512 c = _mm512_set1_ps(corr[g0 + g]);
+        for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_mul_ps(_mm512_loadu_ps(st.acc[g0 + g] + 16 * f), c);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vp = v + slots[j] * row;
+      __m512 x[kF];
+      for (int f = 0; f < kF; ++f) x[f] = _mm512_loadu_ps(vp + 16 * f);
+      for (int g = 0; g < kPassGroups; ++g) {
+        if (g < gc) {
+          const __m512 pj = _mm512_set1_ps(pf[g0 + g][j]);
+          for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_fmadd_ps(x[f], pj, acc[g][f]);
+        }
+      }
+    }
+    for (int g = 0; g < kPassGroups; ++g)
+      if (g < gc)
+        for (int f = 0; f < kF; ++f) _mm512_storeu_ps(st.acc[g0 + g] + 16 * f, acc[g][f]);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
 // attend_chunk for bfloat16 with head_dim 64 or 128: scores by vdpbf16ps, 16 positions per reduction
 // tree; p . v with each group's accumulators in registers, several groups per pass over the V rows.
 template <int kHeadDim>
@@ -227,6 +296,12 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
 #if defined(__AVX512BF16__)
   if constexpr (kUseDpbf16<T, kHeadDim>) {
     attend_chunk_dpbf16<kHeadDim>(st, k, v, slots, n, row, groups, scale, softcap);
+    return;
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && (kHeadDim == 64 || kHeadDim == 128)) {
+    attend_chunk_f32<kHeadDim>(st, k, v, slots, n, row, groups, softcap);
     return;
   }
 #endif
