@@ -143,6 +143,37 @@ inline __m512 row_sums16(const __m512 (&v)[16]) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+// One group's online softmax update over the 16 scores sv of a chunk of n positions (lanes past n
+// weigh 0), soft-capped first where softcap > 0: the running max m and sum l move on, corr =
+// e^(old m - new m) is what the accumulators are to be scaled by; returns p = e^(s - new m).
+inline __m512 online_softmax16(__m512 sv, int64_t n, float softcap, float& m, float& l, float& corr) {
+  if (softcap > 0.f) {
+    alignas(64) float capped[kChunk];  // softcap's scalar pass
+    _mm512_store_ps(capped, sv);
+    cap_scores(capped, n, softcap);
+    sv = _mm512_load_ps(capped);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);  // n <= 16 positions in this chunk
+  const float mx = std::max(m, _mm512_mask_reduce_max_ps(valid, sv));
+  corr = pdserve::exp_approx(m - mx);
+  const __m512 p = _mm512_maskz_mov_ps(valid, pdserve::exp_approx16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+  l = l * corr + _mm512_reduce_add_ps(p);
+  m = mx;
+  return p;
+}
+
+// acc[g] = the accumulators of group g0 + g scaled by its corr, for the gc groups of one pass.
+template <int kPassGroups, int kF, int kHeadDim>
+inline void load_rescaled(__m512 (&acc)[kPassGroups][kF], const float (&st_acc)[kMaxGroups][kMaxHeadDim],
+                          const float* corr, int64_t g0, int64_t gc) {
+  for (int g = 0; g < kPassGroups; ++g) {
+    if (g < gc) {
+      const __m512 c = _mm512_set1_ps(corr[g0 + g]);
+      for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_mul_ps(_mm512_loadu_ps(st_acc[g0 + g] + 16 * f), c);
+    }
+  }
+}
+
 // attend_chunk for float32 with head_dim 64 or 128: the scores of 16 positions by FMAs into one
 // vector a position and one reduction tree (where the generic loop sums each dot product across its
 // lanes), and p . v with each group's accumulators in registers, several groups per pass over the
@@ -152,10 +183,8 @@ void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const floa
                       int64_t row, int64_t groups, float softcap) {
   constexpr int kF = kHeadDim / 16, kPassGroups = 16 / kF;
   static_assert(kChunk == 16, "one reduction tree scores a chunk");
-  alignas(64) float capped[kChunk];  // softcap's scalar pass
   alignas(64) float pf[kMaxGroups][kChunk];
   float corr[kMaxGroups];
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);  // n <= 16 positions in this chunk
   for (int64_t g = 0; g < groups; ++g) {
     __m512 qv[kF];
     for (int f = 0; f < kF; ++f) qv[f] = _mm512_loadu_ps(st.qf[g] + 16 * f);  // q already scaled
@@ -168,29 +197,12 @@ void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const floa
         for (int f = 1; f < kF; ++f) part[j] = _mm512_fmadd_ps(qv[f], _mm512_loadu_ps(kp + 16 * f), part[j]);
       }
     }
-    __m512 sv = row_sums16(part);
-    if (softcap > 0.f) {
-      _mm512_store_ps(capped, sv);
-      cap_scores(capped, n, softcap);
-      sv = _mm512_load_ps(capped);
-    }
-    // online softmax update, 16 positions at once; lanes past n weigh 0
-    const float mx = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, sv));
-    corr[g] = pdserve::exp_approx(st.m[g] - mx);
-    const __m512 p = _mm512_maskz_mov_ps(valid, pdserve::exp_approx16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-    _mm512_store_ps(pf[g], p);
-    st.l[g] = st.l[g] * corr[g] + _mm512_reduce_add_ps(p);
-    st.m[g] = mx;
+    _mm512_store_ps(pf[g], online_softmax16(row_sums16(part), n, softcap, st.m[g], st.l[g], corr[g]));
   }
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
     const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
     __m512 acc[kPassGroups][kF];
-    for (int g = 0; g < kPassGroups; ++g) {
-      if (g < gc) {
-        const __m512 c = _mm512_set1_ps(corr[g0 + g]);
-        for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_mul_ps(_mm512_loadu_ps(st.acc[g0 + g] + 16 * f), c);
-      }
-    }
+    load_rescaled<kPassGroups, kF, kHeadDim>(acc, st.acc, corr, g0, gc);
     for (int64_t j = 0; j < n; ++j) {
       const float* vp = v + slots[j] * row;
       __m512 x[kF];
@@ -218,13 +230,11 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
                          int64_t groups, float scale, float softcap) {
   constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
   static_assert(kChunk == 16, "one reduction tree scores a chunk");
-  alignas(64) float capped[kChunk];  // softcap's scalar pass
   // p in bfloat16, rounded as SDPA's CPU kernel rounds its probabilities before the product with V;
   // lanes past n are 0, so an odd n pairs its last row with 0
   alignas(64) uint16_t pb[kMaxGroups][kChunk];
   float corr[kMaxGroups];
   const __m512 vscale = _mm512_set1_ps(scale);
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);  // n <= 16 positions in this chunk
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[16];
     for (int j = 0; j < 16; ++j) {
@@ -235,31 +245,16 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
           part[j] = _mm512_dpbf16_ps(part[j], st.qb[g][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
       }
     }
-    __m512 sv = _mm512_mul_ps(row_sums16(part), vscale);
-    if (softcap > 0.f) {
-      _mm512_store_ps(capped, sv);
-      cap_scores(capped, n, softcap);
-      sv = _mm512_load_ps(capped);
-    }
-    // online softmax update, 16 positions at once; lanes past n weigh 0
-    const float mx = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, sv));
-    corr[g] = pdserve::exp_approx(st.m[g] - mx);
-    const __m512 p = _mm512_maskz_mov_ps(valid, pdserve::exp_approx16(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+    const __m512 p =
+        online_softmax16(_mm512_mul_ps(row_sums16(part), vscale), n, softcap, st.m[g], st.l[g], corr[g]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(pb[g]), (__m256i)_mm512_cvtneps_pbh(p));
-    st.l[g] = st.l[g] * corr[g] + _mm512_reduce_add_ps(p);
-    st.m[g] = mx;
   }
   // p . v by vdpbf16ps over pairs of positions: unpacklo/hi_epi16 of two V rows gives each lane a
   // (row j, row j + 1) pair of one dim, so the accumulators hold the dims in acc_slot order.
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
     const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
     __m512 acc[kPassGroups][kF];
-    for (int g = 0; g < kPassGroups; ++g) {
-      if (g < gc) {
-        const __m512 c = _mm512_set1_ps(corr[g0 + g]);
-        for (int f = 0; f < kF; ++f) acc[g][f] = _mm512_mul_ps(_mm512_loadu_ps(st.acc[g0 + g] + 16 * f), c);
-      }
-    }
+    load_rescaled<kPassGroups, kF, kHeadDim>(acc, st.acc, corr, g0, gc);
     for (int64_t j = 0; j < n; j += 2) {
       const uint16_t* va = v + slots[j] * row;
       const uint16_t* vb = j + 1 < n ? v + slots[j + 1] * row : va;
