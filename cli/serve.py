@@ -204,6 +204,14 @@ def cmd_serve(args) -> int:
         check_port_free(args.host, args.port)
         if args.http_port:
             check_port_free(args.host, args.http_port, "--http-port")
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    # Ctrl-C or SIGTERM while the cluster starts stops it (start_cluster stops what it started),
+    # also where the shell started serve with SIGINT ignored (`pdserve serve &` in a script)
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     cluster = start_cluster(cfg)
     if note:
         print(note, flush=True)

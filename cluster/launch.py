@@ -109,7 +109,8 @@ def _start_local_ray(num_cpus: int) -> None:
     ("The current node timed out during startup") past that; on a loaded machine this can happen
     once and not again. A failed start leaves its GCS and raylet running (Ray forgets a node whose
     start failed), so the processes it spawned are killed before the next try. Raises the last
-    attempt's exception; ValueError and TypeError (bad arguments) are not retried.
+    attempt's exception; ValueError and TypeError (bad arguments) are not retried, and a
+    KeyboardInterrupt (Ctrl-C while Ray starts) kills what it spawned and propagates.
     The node listens on loopback only (``_loopback_node``).
     """
     me = psutil.Process()
@@ -125,14 +126,14 @@ def _start_local_ray(num_cpus: int) -> None:
             return
         except (ValueError, TypeError):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C too: the raylet's agents would outlive this process
             ray.shutdown()
             spawned = [p for p in me.children(recursive=True) if p.pid not in before]
             for proc in spawned:
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
             psutil.wait_procs(spawned, timeout=10)
-            if attempt == RAY_START_ATTEMPTS:
+            if attempt == RAY_START_ATTEMPTS or not isinstance(exc, Exception):
                 raise
             log.warning(
                 "local Ray failed to start (%s); killed %d of its processes, trying again (%d of %d)",
