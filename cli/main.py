@@ -85,10 +85,15 @@ def _rpc_error(args, exc) -> str:
     import grpc
 
     unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "")
+    where = getattr(args, "router", None) or f"127.0.0.1:{getattr(args, 'port', 50051)}"
     if unreachable and hasattr(args, "router"):
-        where = getattr(args, "router", None) or f"127.0.0.1:{getattr(args, 'port', 50051)}"
         hint = "start one with `pdserve serve`, or pass --router HOST:PORT"
         return f"no router answers at {where} ({hint}): {exc.details()}"
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and hasattr(args, "router") and hasattr(args, "timeout"):
+        return (
+            f"the call to {where} did not finish within --timeout {args.timeout:g} s (DEADLINE_EXCEEDED): raise "
+            f"--timeout, or check that a pdserve router listens there"
+        )
     return f"{exc.code().name}: {exc.details()}"
 
 

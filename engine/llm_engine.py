@@ -8,6 +8,7 @@ sequences with ``admit_kv`` and runs decode steps; a colocated worker does both 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,12 @@ class LLMEngine(KvHandoff):
         weights and the KV cache); ``clock`` gives the nanoseconds steps are timed by (default
         ``time.monotonic_ns``). The simulator (``planner/simulate.py``) passes virtual ones."""
         if cfg.torch_threads and cfg.device == "cpu":
+            usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if cfg.torch_threads > usable:  # OpenMP teams larger than the cores spin waiting for each other
+                raise ValueError(
+                    f"{cfg.torch_threads} torch threads exceed the {usable} CPUs this process may run on "
+                    f"(--threads {usable} or fewer)"
+                )
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.model_dir: Path = resolve_model_dir(cfg.model)

@@ -91,8 +91,18 @@ class Frontend:
         cfg = ModelConfig.from_folder(model_dir)
         self.vocab_size = cfg.vocab_size
         self.sampling_defaults = sampling_defaults(model_dir)
-        limits = [cfg.max_position_embeddings, max_model_len, pool.kv_capacity_tokens()]
+        kv_tokens = pool.kv_capacity_tokens()
+        limits = [cfg.max_position_embeddings, max_model_len, kv_tokens]
         self.max_model_len = min(x for x in limits if x)
+        asked = min(x for x in limits[:2] if x)
+        if kv_tokens and kv_tokens < asked:
+            log.warning(
+                "the smallest worker KV cache holds %d tokens: the context window is %d tokens, not %d "
+                "(a larger --kv-cache-gib or --num-kv-blocks raises it)",
+                kv_tokens,
+                kv_tokens,
+                asked,
+            )
         self.pool = pool
         self.inflight: dict[str, RequestState] = {}
         self.metrics = metrics or RouterMetrics(pool)

@@ -121,39 +121,6 @@ def test_serve_generate_and_ctrl_c():
     assert rc == 0
 
 
-def _ignore_sigint() -> None:  # as a shell starts `pdserve serve &` in a script
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@pytest.mark.parametrize("delay_s", [2.0, 5.0])  # inside ray.init, then while the workers start
-def test_ctrl_c_while_the_cluster_starts_stops_it_and_leaves_nothing(delay_s):
-    import psutil
-
-    port = _free_port()
-    serve = subprocess.Popen(
-        PDSERVE + ["serve", "--port", str(port), "--http-port", "0", "--model", "embedded:tiny"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=_ignore_sigint,
-        start_new_session=True,
-    )
-    time.sleep(delay_s)
-    spawned = psutil.Process(serve.pid).children(recursive=True)
-    serve.send_signal(signal.SIGINT)
-    try:
-        out, _ = serve.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        serve.kill()
-        pytest.fail("pdserve serve did not stop within 60 s of a Ctrl-C during its start")
-    if "serving on" in out:  # started before the signal (a fast machine): the normal stop
-        assert serve.returncode == 0, out
-    else:
-        assert serve.returncode == 130 and out.rstrip().endswith("interrupted"), out
-    _, alive = psutil.wait_procs(spawned, timeout=15)
-    assert not alive, [p.name() for p in alive]
-
-
 @pytest.mark.parametrize(
     "argv,needle",
     [

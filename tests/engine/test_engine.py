@@ -132,3 +132,15 @@ def test_a_kv_kept_out_by_a_full_cache_preempts_and_every_output_is_unchanged(em
         decode.step()
     assert [s.output_token_ids for s in seqs] == expected
     assert decode.blocks.num_used == 0
+
+
+def test_more_threads_than_cpus_is_refused(embedded_dir):
+    import os
+
+    import torch
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match=rf"{usable + 1} torch threads exceed the {usable} CPUs"):
+        LLMEngine(EngineConfig(model=str(embedded_dir), num_kv_blocks=32, torch_threads=usable + 1))
+    assert torch.get_num_threads() == before  # refused before anything changed

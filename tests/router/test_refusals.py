@@ -151,3 +151,13 @@ async def test_a_client_gone_before_its_body_ends_is_a_400_not_an_exception(core
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert start["status"] == 400 and b"closed the connection" in body
+
+
+async def test_a_kv_cache_smaller_than_the_context_window_says_so(embedded_dir, caplog):
+    pool = WorkerPool([], [], ["127.0.0.1:9"])  # never called
+    worker = pool.workers[0]
+    worker.total_kv_blocks, worker.block_size = 1, 16
+    with caplog.at_level("WARNING", logger="pdserve.router.frontend"):
+        front = Frontend(embedded_dir, pool, 4096, model_name="test-model")
+    assert front.max_model_len == 16
+    assert "the smallest worker KV cache holds 16 tokens: the context window is 16 tokens, not" in caplog.text
