@@ -206,6 +206,8 @@ def cmd_serve(args) -> int:
             check_port_free(args.host, args.http_port, "--http-port")
 
     def interrupted(*_):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C would break the clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     # Ctrl-C or SIGTERM while the cluster starts stops it (start_cluster stops what it started),

@@ -82,8 +82,10 @@ def _init_ray(cfg: ClusterConfig, needed_cpus: int) -> bool:
 def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
     """Fail fast when nothing listens at a Ray cluster's address ("host:port", or "ray://host:port"
     for Ray Client; "auto" is left to Ray). ``ray.init`` on a dead address retries for minutes and
-    does not stop on Ctrl-C. Raises ValueError for an address without a port, RuntimeError when no
-    TCP connection opens within ``timeout_s`` seconds."""
+    does not stop on Ctrl-C, and one that accepts connections but is no Ray head waits for ever.
+    Raises ValueError for an address without a port, RuntimeError when no TCP connection opens
+    within ``timeout_s`` seconds or no gRPC handshake (a GCS, or Ray Client's server, speaks gRPC)
+    completes within it; the handshake is not tried where Ray runs TLS (``$RAY_USE_TLS``)."""
     if address == "auto":
         return
     hostport = address.removeprefix("ray://")
@@ -100,6 +102,20 @@ def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) ->
             f"cannot reach a Ray cluster at {address}: {reason}; start one there "
             f"(`ray start --head`) or leave out --address to start a local one"
         ) from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return
+    import grpc
+
+    channel = grpc.insecure_channel(hostport)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise RuntimeError(
+            f"{address} accepts connections but does not answer as a Ray cluster (no gRPC handshake within "
+            f"{timeout_s:g} s): give the Ray head's GCS address (`ray start --head` prints it)"
+        ) from None
+    finally:
+        channel.close()
 
 
 def _start_local_ray(num_cpus: int) -> None:

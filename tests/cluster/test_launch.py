@@ -78,14 +78,28 @@ def test_an_address_where_nothing_listens_fails_at_once():
     assert time.monotonic() - t0 < launch.RAY_CONNECT_TIMEOUT_S
 
 
-def test_an_address_with_a_listener_passes_and_bad_forms_are_refused():
+def test_a_grpc_server_passes_a_silent_listener_fails_and_bad_forms_are_refused():
     import socket
+    import time
+    from concurrent import futures
 
-    with socket.socket() as s:
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # a GCS, as far as the handshake goes
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        launch.check_ray_address(f"127.0.0.1:{port}")
+        launch.check_ray_address(f"ray://127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+    with socket.socket() as s:  # accepts the TCP connection, never answers: ray.init would wait for ever
         s.bind(("127.0.0.1", 0))
         s.listen()
-        launch.check_ray_address(f"127.0.0.1:{s.getsockname()[1]}")
-        launch.check_ray_address(f"ray://127.0.0.1:{s.getsockname()[1]}")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"accepts connections but does not answer as a Ray cluster"):
+            launch.check_ray_address(f"127.0.0.1:{s.getsockname()[1]}", timeout_s=1.0)
+        assert time.monotonic() - t0 < 10
     launch.check_ray_address("auto")  # Ray finds it itself
     for bad in ("127.0.0.1", "127.0.0.1:port", ":6379", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="expected host:port"):
