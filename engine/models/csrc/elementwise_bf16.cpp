@@ -26,14 +26,14 @@ inline uint16_t to_bf(float x) {  // round to nearest even, NaN kept
 
 inline float round_bf(float x) { return bf(to_bf(x)); }
 
-constexpr int64_t kParallelElements = 1 << 15;  // below this one thread beats waking the others
+using pdserve::kParallelElements;
 
 #if defined(__AVX512F__)
 // 16 bfloat16 <-> float32 lanes; `mask` selects the lanes a row's tail has.
 inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+using pdserve::tail_mask;
 #if defined(__AVX512BF16__)
 // One instruction (vcvtneps2bf16) rounds to nearest even as to_bf does, except that a float32 denormal
 // becomes a signed zero and a NaN keeps its sign: values a decoder's activations never hold.

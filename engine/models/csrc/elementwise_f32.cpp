@@ -17,10 +17,10 @@
 
 namespace {
 
-constexpr int64_t kParallelElements = 1 << 15;  // below this one thread beats waking the others
+using pdserve::kParallelElements;
 
 #if defined(__AVX512F__)
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+using pdserve::tail_mask;
 // a * b and a + b rounded once each, never fused into an FMA by the compiler
 inline __m512 mul_rn(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline __m512 add_rn(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }

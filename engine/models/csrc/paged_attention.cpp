@@ -163,7 +163,7 @@ inline __m512 online_softmax16(__m512 sv, int64_t n, float softcap, float& m, fl
 }
 
 // acc[g] = the accumulators of group g0 + g scaled by its corr, for the gc groups of one pass.
-template <int kPassGroups, int kF, int kHeadDim>
+template <int kPassGroups, int kF>
 inline void load_rescaled(__m512 (&acc)[kPassGroups][kF], const float (&st_acc)[kMaxGroups][kMaxHeadDim],
                           const float* corr, int64_t g0, int64_t gc) {
   for (int g = 0; g < kPassGroups; ++g) {
@@ -202,7 +202,7 @@ void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const floa
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
     const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
     __m512 acc[kPassGroups][kF];
-    load_rescaled<kPassGroups, kF, kHeadDim>(acc, st.acc, corr, g0, gc);
+    load_rescaled<kPassGroups, kF>(acc, st.acc, corr, g0, gc);
     for (int64_t j = 0; j < n; ++j) {
       const float* vp = v + slots[j] * row;
       __m512 x[kF];
@@ -254,7 +254,7 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
     const int64_t gc = std::min<int64_t>(kPassGroups, groups - g0);
     __m512 acc[kPassGroups][kF];
-    load_rescaled<kPassGroups, kF, kHeadDim>(acc, st.acc, corr, g0, gc);
+    load_rescaled<kPassGroups, kF>(acc, st.acc, corr, g0, gc);
     for (int64_t j = 0; j < n; j += 2) {
       const uint16_t* va = v + slots[j] * row;
       const uint16_t* vb = j + 1 < n ? v + slots[j + 1] * row : va;

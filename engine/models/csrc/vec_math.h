@@ -9,6 +9,9 @@
 
 namespace pdserve {
 
+// Elements of an elementwise call below which one thread beats waking the others.
+constexpr int64_t kParallelElements = 1 << 15;
+
 // One bfloat16 (its bits) as float32: exact.
 inline float bf(uint16_t x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -47,6 +50,9 @@ constexpr int64_t acc_slot(int64_t d) {
 }
 
 #if defined(__AVX512F__)
+// The lanes of 16 that a row's last `left` elements fill (all 16 when left >= 16).
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+
 // 16 bfloat16 -> float32 lanes (the high half of each 32-bit lane).
 inline __m512 load_bf16x16(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
