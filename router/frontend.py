@@ -91,11 +91,10 @@ class Frontend:
         cfg = ModelConfig.from_folder(model_dir)
         self.vocab_size = cfg.vocab_size
         self.sampling_defaults = sampling_defaults(model_dir)
+        asked = min(x for x in (cfg.max_position_embeddings, max_model_len) if x)
         kv_tokens = pool.kv_capacity_tokens()
-        limits = [cfg.max_position_embeddings, max_model_len, kv_tokens]
-        self.max_model_len = min(x for x in limits if x)
-        asked = min(x for x in limits[:2] if x)
-        if kv_tokens and kv_tokens < asked:
+        self.max_model_len = min(asked, kv_tokens) if kv_tokens else asked
+        if self.max_model_len < asked:
             log.warning(
                 "the smallest worker KV cache holds %d tokens: the context window is %d tokens, not %d "
                 "(a larger --kv-cache-gib or --num-kv-blocks raises it)",
