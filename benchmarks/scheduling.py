@@ -4,8 +4,8 @@ Each variant is a fresh local cluster on the same 2 cores (colocated: 2 ``coloca
 1 prefill + 1 decode worker, 1 CPU each, or 2 + 2 sharing them) serving the same requests,
 replayed from a trace (Mooncake: a 1/16 hashed sample of its conversations, ``--conversation-sample``):
 
-* colocated, chunked prefill (the default: chunks sized to a 200 ms step; and a fixed 256-token
-  budget) vs ``--no-chunked-prefill``: p99 and max ITL, TTFT;
+* colocated, chunked prefill (the default 2,048-token budget; a fixed 256-token budget; chunks
+  sized to 200 ms steps) vs ``--no-chunked-prefill``: p99 and max ITL, TTFT;
 * split, no prefix caching + least-loaded routing (the baseline), prefix
   caching + least-loaded, and prefix caching + prefix-aware routing + conditional disaggregation
   (the defaults), each with 1 + 1 and 2 + 2 workers: prefix hit rate, TTFT p50/p90/mean, KV bytes
@@ -41,8 +41,9 @@ from pdserve.loadgen.prefix_cache import prefix_cache_report
 from pdserve.loadgen.targets import GrpcBackend
 
 VARIANTS = {  # name -> (placement, engine changes, cluster changes)
-    "colocated-chunked": ("colocated", {}, {}),  # the default: chunks sized to a 200 ms step
+    "colocated-chunked": ("colocated", {}, {}),  # the default: a 2,048-token budget
     "colocated-chunked-256": ("colocated", {"max_num_batched_tokens": 256}, {}),  # a fixed budget
+    "colocated-target-200": ("colocated", {"target_itl_ms": 200.0}, {}),  # chunks sized to 200 ms steps
     "colocated-unchunked": ("colocated", {"enable_chunked_prefill": False}, {}),
     "split-no-cache": (
         "split",

@@ -118,9 +118,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="token budget of one step: prompts are cut into chunks to fit it beside the decoding "
-        "sequences (vLLM's rule; default 2048, and colocated workers then size chunks to "
-        "--target-itl-ms). With --no-chunked-prefill, the most prompt tokens of one prefill "
-        "batch",
+        "sequences (vLLM's rule; default 2048). With --no-chunked-prefill, the most prompt tokens "
+        "of one prefill batch",
     )
     parser.add_argument(
         "--no-chunked-prefill",
@@ -134,8 +133,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="chunked prefill: cut each step's prompt chunk so the step, and so the inter-token "
         "gap of the sequences decoding beside it, takes about this long (a step-time model "
-        "fitted online to this hardware; --max-num-batched-tokens stays the cap). Default "
-        "200 on colocated workers when --max-num-batched-tokens is not given",
+        "fitted online to this hardware; --max-num-batched-tokens stays the cap). Bounds the "
+        "gaps beside a long prompt at the cost of prefill throughput; default: none",
     )
     parser.add_argument(
         "--no-prefix-caching",

@@ -17,6 +17,8 @@ import numpy as np
 
 __all__ = ["StepTimeModel"]
 
+RIDGE = 1e-4  # of a coefficient's own sum of squares: pulls c and b towards 0 where the steps leave them free
+
 
 class StepTimeModel:
     """Exponentially weighted least-squares fit of step seconds on (1, decode rows, prompt tokens).
@@ -52,11 +54,16 @@ class StepTimeModel:
     def coefficients(self) -> tuple[float, float, float] | None:
         """``(a, c, b)``: seconds per step, per decode row, per prompt token; None before
         ``min_steps`` steps or while the steps seen do not determine a positive prompt-token cost.
-        A small ridge term keeps the fit defined when the steps so far vary little."""
+        A small ridge term on ``c`` and ``b`` (relative to their own scale, none on ``a``) keeps the
+        fit defined when the steps so far vary little: when they all decode about as many rows, the
+        step's fixed cost stays in ``a`` (reading the weights, which a CPU step spends most of its
+        time on) instead of being charged to the rows, whose cost a larger batch would then
+        multiply."""
         if self.num_steps < self.min_steps:
             return None
-        ridge = 1e-6 * max(np.trace(self._xtx), 1.0)
-        a, c, b = np.linalg.solve(self._xtx + ridge * np.eye(3), self._xty)
+        diag = np.diag(self._xtx)
+        ridge = np.diag([0.0, RIDGE * diag[1], RIDGE * diag[2]]) + 1e-12 * max(np.trace(self._xtx), 1.0) * np.eye(3)
+        a, c, b = np.linalg.solve(self._xtx + ridge, self._xty)
         if not b > 0:
             return None
         return float(max(a, 0.0)), float(max(c, 0.0)), float(b)

@@ -132,9 +132,8 @@ def test_role_defaults() -> None:
     from pdserve.engine.config import for_role
 
     base = EngineConfig(model="embedded")
-    colocated = for_role(base, "colocated")
-    assert colocated.target_itl_ms == 200.0 and colocated.max_num_batched_tokens == 2048
-    assert for_role(base, "prefill").target_itl_ms is None and for_role(base, "decode").target_itl_ms is None
+    for role in ("colocated", "prefill", "decode"):  # the token budget only: no step target unless asked
+        assert for_role(base, role).target_itl_ms is None and for_role(base, role).max_num_batched_tokens == 2048
     budget = for_role(EngineConfig(model="embedded", max_num_batched_tokens=256), "colocated")
     assert budget.max_num_batched_tokens == 256 and budget.target_itl_ms is None  # a given budget is vLLM's rule
     assert for_role(EngineConfig(model="embedded", target_itl_ms=80.0), "colocated").target_itl_ms == 80.0
@@ -142,7 +141,9 @@ def test_role_defaults() -> None:
     unchunked = for_role(EngineConfig(model="embedded", enable_chunked_prefill=False), "colocated")
     assert unchunked.max_num_batched_tokens == 4096 and unchunked.target_itl_ms is None
     sched = LLMEngine(for_role(EngineConfig(model="embedded", num_kv_blocks=64), "colocated")).scheduler
-    assert sched.target_step_s == 0.2 and sched.max_num_batched_tokens == 2048
+    assert sched.target_step_s is None and sched.max_num_batched_tokens == 2048
+    timed = for_role(EngineConfig(model="embedded", num_kv_blocks=64, target_itl_ms=200.0), "colocated")
+    assert LLMEngine(timed).scheduler.target_step_s == 0.2
 
 
 def test_a_cold_colocated_engine_cuts_a_long_first_prompt(embedded_dir) -> None:
@@ -150,7 +151,8 @@ def test_a_cold_colocated_engine_cuts_a_long_first_prompt(embedded_dir) -> None:
     that take 1 ms a row, a 200 ms target leaves about 200 rows, not the 2048-token cap."""
     from pdserve.engine.config import for_role
 
-    engine = LLMEngine(for_role(EngineConfig(model=str(embedded_dir), num_kv_blocks=256), "colocated"))
+    cfg = EngineConfig(model=str(embedded_dir), num_kv_blocks=256, target_itl_ms=200.0)
+    engine = LLMEngine(for_role(cfg, "colocated"))
     real = engine.scheduler.observe_step
     engine.scheduler.observe_step = lambda batch, _s: real(batch, 0.001 * sum(batch.num_query_tokens))
     stream = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -165,3 +167,17 @@ def test_a_cold_colocated_engine_cuts_a_long_first_prompt(embedded_dir) -> None:
         engine.step()
         chunks.append(long.num_computed_tokens - before)
     assert max(chunks) <= 200 and sum(chunks) == 1500, chunks
+
+
+def test_the_fixed_cost_stays_in_the_intercept_when_every_step_decodes_alike() -> None:
+    """Steps that all decode 8 rows cannot tell a step's cost from a row's; the fit keeps it per
+    step, so a step of 32 rows is not predicted at four times the cost (which left no room for
+    prompt tokens beside them)."""
+    model = StepTimeModel(min_steps=4)
+    for i in range(60):
+        p = (0, 16, 64, 128)[i % 4]
+        model.observe(8, p, fake_seconds(8, p))  # 20 + 40 ms a step, 2 ms a prompt token
+    a, c, b = model.coefficients()
+    assert a + 8 * c == pytest.approx(0.060, rel=0.01) and b == pytest.approx(0.002, rel=0.01)
+    assert a > 0.95 * 0.060
+    assert model.prompt_tokens_within(0.200, 32) >= 65  # (200 - 60 - 24 * c) / 2 ms; was 0
