@@ -117,7 +117,7 @@ def ratios(rows: dict[str, dict]) -> list[str]:
         return f"{rows[num][key] / max(rows[den][key], 1e-9):.2f}"
 
     out = []
-    for chunked in ("colocated-chunked", "colocated-chunked-256"):
+    for chunked in ("colocated-chunked", "colocated-chunked-256", "colocated-target-200"):
         r = ratio("itl_p99_s", chunked, "colocated-unchunked")
         if r:
             out.append(
