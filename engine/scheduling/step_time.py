@@ -61,9 +61,9 @@ class StepTimeModel:
         multiply."""
         if self.num_steps < self.min_steps:
             return None
-        diag = np.diag(self._xtx)
-        ridge = np.diag([0.0, RIDGE * diag[1], RIDGE * diag[2]]) + 1e-12 * max(np.trace(self._xtx), 1.0) * np.eye(3)
-        a, c, b = np.linalg.solve(self._xtx + ridge, self._xty)
+        tiny = 1e-12 * max(np.trace(self._xtx), 1.0)  # keeps the system solvable when a column is all 0
+        ridge = np.array([0.0, RIDGE, RIDGE]) * np.diag(self._xtx) + tiny
+        a, c, b = np.linalg.solve(self._xtx + np.diag(ridge), self._xty)
         if not b > 0:
             return None
         return float(max(a, 0.0)), float(max(c, 0.0)), float(b)

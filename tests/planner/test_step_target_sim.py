@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import json
 
+from tests.planner.test_plan import fit
 from tests.planner.test_simulate import run_cli, toy_profile
-
-
-def fit(**values):
-    return {"coefficients": {k: {"value": v, "unit": "s"} for k, v in values.items()}}
 
 
 def slow_core_profile() -> dict:
