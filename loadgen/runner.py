@@ -86,9 +86,10 @@ async def run_load(
         remaining = deadline - time.perf_counter()
         if remaining <= 0 or stop.is_set():
             break
-        await asyncio.wait(
-            [sender, stopper, *pending], timeout=min(remaining, 1.0), return_when=asyncio.FIRST_COMPLETED
-        )
+        # a finished sender must leave the wait set, or every wait returns at once and the loop spins
+        # a core until the last request ends, on the machine it measures
+        waiting = [stopper, *pending] if sender.done() else [sender, stopper, *pending]
+        await asyncio.wait(waiting, timeout=min(remaining, 1.0), return_when=asyncio.FIRST_COMPLETED)
     sender.cancel()
     stopper.cancel()
     for t in tasks:
