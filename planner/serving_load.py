@@ -14,11 +14,15 @@ So the load runs each worker in a process of its own, pinned to cores of its own
 prefill and a decode worker. The router runs in another process, unpinned, and the load generator
 (loadgen's, as ``pdserve bench`` sends) in a third. After one warm-up request per worker,
 ``requests`` requests of ``LOAD_PROMPT`` random tokens (fewer when the model's length is shorter)
-arrive at Poisson times, at the rate that keeps each worker that prefills ``LOAD_PREFILL_SHARE``
-busy with prompts: the first half reading ``LOAD_OUTPUTS[0]`` output tokens each, then the second
-``LOAD_OUTPUTS[1]``. Each worker traces its engine steps (worker/step_trace.py); the points are the
-steps that started while the load ran, by role, and for each half the CPU time the router's and
-the load generator's processes spent.
+arrive at Poisson times, at ``load_rate``: the same rate for both placements of as many workers,
+the one that keeps every worker ``LOAD_PREFILL_SHARE`` busy with prompts when each prefills its own
+(colocated), so a split pair's prefill worker is twice that busy. A lighter split load measured
+other factors than a run at the colocated rate meets: on a 2-core AMD EPYC (AVX2), the split load at
+half the rate read prefill steps 1.05x and decode steps 0.76x the profile's engine, and a W2 run at
+the colocated rate traced 1.26x and 1.01x (docs/measurements.md). The first half reads
+``LOAD_OUTPUTS[0]`` output tokens a request, the second ``LOAD_OUTPUTS[1]``. Each worker traces
+its engine steps (worker/step_trace.py); the points are the steps that started while the load ran,
+by role, and for each half the CPU time the router's and the load generator's processes spent.
 """
 
 from __future__ import annotations
@@ -56,6 +60,15 @@ def load_roles(placement: str, cfg: EngineConfig) -> tuple[str, ...]:
     return ("colocated",) * max(1, min(LOAD_WORKERS, per_core))
 
 
+def load_rate(roles: tuple[str, ...], prefill_s: float) -> float:
+    """Requests a second of the load on ``roles``' workers (``load_roles``) whose prompts take
+    ``prefill_s`` seconds each: ``LOAD_PREFILL_SHARE`` of each worker's time in prompts were every
+    worker prefilling its own (module docstring). ValueError unless ``prefill_s`` > 0."""
+    if not prefill_s > 0:
+        raise ValueError(f"a prompt's prefill time must be > 0 s, got {prefill_s}")
+    return LOAD_PREFILL_SHARE * len(roles) / prefill_s
+
+
 def measure_load(
     cfg: EngineConfig,
     placement: str,
@@ -72,7 +85,7 @@ def measure_load(
     does not start or a request fails."""
     roles = load_roles(placement, cfg)
     n = min(LOAD_PROMPT, max_prompt)
-    rate = LOAD_PREFILL_SHARE / model.prefill_s(n) * (len(roles) if placement == "colocated" else 1)
+    rate = load_rate(roles, model.prefill_s(n))
     with (
         tempfile.TemporaryDirectory(prefix="pdserve-load-steps-") as trace_dir,
         running_workers(cfg, roles, trace_dir) as workers,

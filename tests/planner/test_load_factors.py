@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.planner import virtual_runner
 from pdserve.planner.host_cpu import ServingModel, ServingPaths
 from pdserve.planner.serving_fit import MIN_LOAD_STEPS, step_ratios
-from pdserve.planner.serving_load import LOAD_WORKERS, load_roles
+from pdserve.planner.serving_load import LOAD_PREFILL_SHARE, LOAD_WORKERS, load_rate, load_roles
 from pdserve.planner.simulate import SimConfig, Simulator
 from pdserve.planner.step_model import StepModel
 from pdserve.planner.virtual_runner import StepFactors
@@ -101,3 +101,14 @@ def test_the_load_runs_a_colocated_worker_per_core_and_a_split_pair():
     assert load_roles("colocated", cpu) == ("colocated",) * max(1, min(LOAD_WORKERS, cores))
     assert load_roles("colocated", dataclasses.replace(cpu, torch_threads=cores)) == ("colocated",)
     assert load_roles("colocated", dataclasses.replace(cpu, device="cuda")) == ("colocated",)  # one GPU's
+
+
+def test_a_split_pair_meets_the_rate_of_two_colocated_workers():
+    """Both placements of two workers take the same load; the split pair's one prefill worker is
+    then busy twice the share a colocated worker is."""
+    split, colocated = load_rate(("prefill", "decode"), 0.8), load_rate(("colocated",) * 2, 0.8)
+    assert split == colocated == pytest.approx(2 * LOAD_PREFILL_SHARE / 0.8)
+    assert split * 0.8 == pytest.approx(2 * LOAD_PREFILL_SHARE)  # the prefill worker's busy share
+    assert load_rate(("colocated",) * 4, 0.8) == pytest.approx(2 * colocated)
+    with pytest.raises(ValueError, match="prefill time"):
+        load_rate(("colocated",), 0.0)
