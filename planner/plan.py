@@ -1,7 +1,14 @@
-"""Placement search (``pdserve plan``): for each candidate unit (colocated: 1 worker; split: the
-smallest unit of a P:D ratio, ``p + d`` workers), find the highest request rate at which the
-simulated SLO attainment stays at or above a target, as DistServe's placement search does, and
-rank the candidates by goodput per worker (that rate x attainment / unit size).
+"""Placement search (``pdserve plan``): for each candidate unit (the largest group of colocated
+workers, or of a P:D ratio's ``p + d``, that fits in ``min(N, max_unit)`` workers), find the highest
+request rate at which the simulated SLO attainment stays at or above a target, as DistServe's
+placement search does, and rank the candidates by goodput per worker (that rate x attainment / unit
+size).
+
+Units are groups, not the smallest unit of each ratio, because one router pools its workers: a
+request goes to whichever is free. A lone colocated worker queues a request behind the prompt it is
+computing, two pooled ones seldom do, and with a TTFT SLO near a prompt's prefill time that is most
+of the capacity: W2 on a 2-core AMD EPYC (TTFT SLO 1.5x a lone prefill) gave 0.146 req/s a worker
+as units of 1, while two pooled workers served 0.52 req/s at 0.6 offered (docs/measurements.md).
 
 Every probe runs ``Simulator`` (``planner/simulate.py``) and reads attainment from the bench's own
 ``summarize``. A cluster of N workers is taken to be ``floor(N / unit)`` independent units (the
@@ -41,14 +48,16 @@ class Candidate:
     local_prefill_tokens: int
     max_num_seqs: int
 
+    # colocated: num_prefill colocated workers (each prefills and decodes its own requests)
+
     @property
     def unit(self) -> int:
-        return 1 if self.placement == "colocated" else self.num_prefill + self.num_decode
+        return self.num_prefill + self.num_decode
 
     @property
     def label(self) -> str:
         if self.placement == "colocated":
-            return f"colocated seqs={self.max_num_seqs}"
+            return f"colocated {self.num_prefill} seqs={self.max_num_seqs}"
         return f"{self.num_prefill}:{self.num_decode} lp={self.local_prefill_tokens} seqs={self.max_num_seqs}"
 
 
@@ -65,14 +74,17 @@ def candidates(
     max_num_seqs: tuple[int, ...] = DEFAULT_MAX_NUM_SEQS,
     only_ratios: list[tuple[int, int]] | None = None,
 ) -> list[Candidate]:
-    """Colocated (unit 1) and every split ratio whose unit fits in ``min(num_workers, max_unit)``,
-    each with every ``max_num_seqs`` (and for split, every ``local_prefill``). ValueError for N < 1."""
+    """``cap = min(num_workers, max_unit)`` colocated workers, and every split ratio ``p:d`` with
+    ``p + d <= cap`` as its largest multiple that fits in ``cap`` workers (1:1 at a cap of 4: 2:2),
+    each with every ``max_num_seqs`` (and for split, every ``local_prefill``): units of about the
+    same size pool their requests alike (module docstring). ValueError for N < 1."""
     if num_workers < 1:
         raise ValueError(f"--workers must be at least 1, not {num_workers}")
     cap = min(num_workers, max_unit)
     pairs = [r for r in (only_ratios or ratios(cap)) if r[0] + r[1] <= cap and min(r) >= 1]
-    out = [Candidate("colocated", 1, 0, 0, s) for s in max_num_seqs]
-    out += [Candidate("split", p, d, lp, s) for p, d in pairs for lp in local_prefill for s in max_num_seqs]
+    groups = [(p * (cap // (p + d)), d * (cap // (p + d))) for p, d in pairs]
+    out = [Candidate("colocated", cap, 0, 0, s) for s in max_num_seqs]
+    out += [Candidate("split", p, d, lp, s) for p, d in groups for lp in local_prefill for s in max_num_seqs]
     return out
 
 
@@ -218,7 +230,7 @@ def result(cand: Candidate, best: tuple[float, dict] | None) -> dict:
 def workers_of(row: dict, units: int) -> dict:
     """Workers per role of ``units`` units of ``row``'s candidate."""
     if row["placement"] == "colocated":
-        return {"colocated": units}
+        return {"colocated": row["num_prefill"] * units}
     return {"prefill": row["num_prefill"] * units, "decode": row["num_decode"] * units}
 
 
