@@ -43,12 +43,10 @@ SCALING_NOTE = "a cluster of N workers = floor(N / unit) independent units (left
 @dataclass(frozen=True)
 class Candidate:
     placement: str  # split | colocated
-    num_prefill: int
-    num_decode: int
+    num_prefill: int  # colocated: the colocated workers (each prefills and decodes its own requests)
+    num_decode: int  # colocated: 0
     local_prefill_tokens: int
     max_num_seqs: int
-
-    # colocated: num_prefill colocated workers (each prefills and decodes its own requests)
 
     @property
     def unit(self) -> int:
