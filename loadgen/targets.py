@@ -30,6 +30,8 @@ from pdserve.router.client import FINISH_NAMES, Client, make_request
 from pdserve.rpc.auth import cluster_secret, internal_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
+INFO_TIMEOUT_S = 30.0  # GET /v1/models; a streamed completion's bound is its request's own timeout
+
 
 @dataclass
 class ServerInfo:
@@ -155,16 +157,27 @@ class OpenAIBackend:
 
     async def info(self) -> ServerInfo:
         """From ``GET /v1/models``: the first model's id, ``root`` (vLLM: its folder) and ``max_model_len``
-        (vLLM and pdserve report both). RuntimeError when the server cannot be reached or lists
-        no model."""
+        (vLLM and pdserve report both). RuntimeError (one line) when the server cannot be reached,
+        gives no answer within ``INFO_TIMEOUT_S`` seconds, answers with no OpenAI model list or
+        lists no model."""
+        where = f"{self.url}/v1/models"
         try:
-            r = await self.http.get("/v1/models")
+            r = await self.http.get("/v1/models", timeout=INFO_TIMEOUT_S)
             r.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"cannot read {self.url}/v1/models: {type(exc).__name__}: {exc}") from None
-        models = r.json().get("data") or []
+            body = r.json()
+        except httpx.TimeoutException:
+            raise RuntimeError(f"{where} gave no answer within {INFO_TIMEOUT_S:g} s") from None
+        except httpx.HTTPError as exc:  # the first line: httpx adds a second one, a link
+            raise RuntimeError(f"cannot read {where}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        except ValueError:
+            raise RuntimeError(f"{where} answered with no JSON: {r.text[:80]!r}") from None
+        models = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(models, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("id"), str) for m in models
+        ):
+            raise RuntimeError(f"{where} answered with no OpenAI model list (an object whose data lists ids)")
         if not models:
-            raise RuntimeError(f"{self.url}/v1/models lists no model")
+            raise RuntimeError(f"{where} lists no model")
         m = models[0]
         self.model = self.model or m["id"]
         return ServerInfo(m.get("root") or m["id"], int(m.get("max_model_len") or 0), "openai")
