@@ -150,7 +150,7 @@ def cmd_plan(args) -> int:
     idle = args.workers - best["units"] * best["unit"]
     if best["goodput_per_worker_rps"] > 0:
         print(
-            f"best: {best['label']} (unit {best['unit']}): {roles} workers of {args.workers}"
+            f"best: {best['label']} (unit {best['unit']}): {roles} of {args.workers} workers"
             f"{f' ({idle} idle)' if idle else ''}; predicted goodput {best['cluster_goodput_rps']:.3g} req/s "
             f"({best['goodput_per_worker_rps']:.3g} per worker)"
         )
