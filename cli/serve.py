@@ -210,10 +210,19 @@ def cmd_serve(args) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
+    # torch first, with a signal only noted: a KeyboardInterrupt raised inside its C++ modules'
+    # start aborts the process ("terminate called ... pybind11::error_already_set")
+    noted = []
+    signal.signal(signal.SIGINT, lambda *_: noted.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: noted.append(True))
+    import pdserve.engine.models.loader  # noqa: F401  (the cluster's start reads the model with it)
+
     # Ctrl-C or SIGTERM while the cluster starts stops it (start_cluster stops what it started),
     # also where the shell started serve with SIGINT ignored (`pdserve serve &` in a script)
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
+    if noted:
+        interrupted()
     cluster = start_cluster(cfg)
     if note:
         print(note, flush=True)
