@@ -168,7 +168,8 @@ class OpenAIBackend:
         except httpx.TimeoutException:
             raise RuntimeError(f"{where} gave no answer within {INFO_TIMEOUT_S:g} s") from None
         except httpx.HTTPError as exc:  # the first line: httpx adds a second one, a link
-            raise RuntimeError(f"cannot read {where}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+            first = (str(exc).splitlines() or ["no detail"])[0]
+            raise RuntimeError(f"cannot read {where}: {type(exc).__name__}: {first}") from None
         except ValueError:
             raise RuntimeError(f"{where} answered with no JSON: {r.text[:80]!r}") from None
         models = body.get("data") if isinstance(body, dict) else None

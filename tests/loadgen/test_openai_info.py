@@ -38,6 +38,15 @@ async def test_a_bad_model_list_is_one_clear_line(response, needle):
     assert str(exc.value).startswith("http://127.0.0.1:9/v1/models") or "cannot read" in str(exc.value)
 
 
+async def test_a_transport_error_without_a_message_is_still_one_line():
+    def refuse(request):
+        raise httpx.ConnectError("")
+
+    async with backend(refuse) as b:
+        with pytest.raises(RuntimeError, match=r"^cannot read http://127.0.0.1:9/v1/models: ConnectError: no detail$"):
+            await b.info()
+
+
 async def test_a_good_model_list_names_the_model():
     answer = httpx.Response(200, json={"data": [{"id": "m", "root": "/models/m", "max_model_len": 512}]})
     async with backend(lambda request: answer) as b:
