@@ -86,7 +86,7 @@ def add_plan_parser(sub) -> None:
 
 def cmd_plan(args) -> int:
     from pdserve.cli.bench import prepare_out_dir
-    from pdserve.cli.simulate import read_profile
+    from pdserve.cli.simulate import range_notes, read_profile
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
     from pdserve.planner.plan import MAX_UNIT, SCALING_NOTE, Planner, candidates
@@ -104,7 +104,7 @@ def cmd_plan(args) -> int:
             f"--max-probe-requests {args.max_probe_requests} is below --num-requests {args.num_requests}: "
             "a probe sends at least --num-requests requests"
         )
-    model, spec, dtype, serving = read_profile(args.profile)
+    model, spec, dtype, serving, measured = read_profile(args.profile)
     if serving is None:
         print("the profile has no serving section: steps take the engine's time only", flush=True)
     engine = EngineConfig(
@@ -128,6 +128,8 @@ def cmd_plan(args) -> int:
     if args.arrival != "trace":
         args.num_requests = max(wanted, args.max_probe_requests)
     specs = build_specs(args, sim.tokenizer, sim.max_model_len, 1.0)
+    for note in range_notes(measured, specs):
+        print(note, flush=True)
     if len(specs) < args.max_probe_requests:
         print(
             f"note: the trace gives {len(specs)} requests; probes longer than that replay them, "

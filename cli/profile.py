@@ -13,7 +13,9 @@ import os
 from dataclasses import replace
 
 from pdserve.planner.grid import DEFAULT, QUICK, USER_FIELDS
-from pdserve.worker.flags import add_engine_args, engine_config_from_args, positive_int
+from pdserve.worker.flags import add_engine_args, engine_config_from_args, non_negative_float, positive_int
+
+DEFAULT_BUDGET_S = 300.0
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -38,6 +40,15 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--out", default="profile.json", help="the profile JSON to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a few small points of each kind (seconds, for tests)")
     p.add_argument("--repeats", type=positive_int, default=None, help="timed runs per point (default 5, 3 quick)")
+    p.add_argument(
+        "--time-budget",
+        type=non_negative_float,
+        default=DEFAULT_BUDGET_S,
+        metavar="SECONDS",
+        help=f"about how long the whole profile may take (default {DEFAULT_BUDGET_S:g}): after a few calibration "
+        "steps, the largest values of the built-in grid are dropped, the costliest first, until the estimate "
+        "fits; values given with the flags below are kept. 0: no cut (the whole built-in grid)",
+    )
     p.add_argument(
         "--no-serving",
         dest="serving",
@@ -76,15 +87,21 @@ def cmd_profile(args) -> int:
     if cfg.device == "cpu" and cfg.torch_threads is None:  # a worker's threads: serve's --cpus-per-worker 1
         cfg = replace(cfg, torch_threads=1)
     say = lambda line: print(line, flush=True)  # noqa: E731
-    profile = run_profile(cfg, grid, set(chosen), say)
+    serving = None
     if args.serving:
+        from pdserve.planner.serving import serving_plan
+
+        serving = lambda model, room: serving_plan(cfg, args.quick, room, model)  # noqa: E731
+    profile = run_profile(cfg, grid, set(chosen), say, args.time_budget or None, serving)
+    if args.serving:
+        from pdserve.planner.budget import ServingPlan
         from pdserve.planner.serving import add_serving
 
-        add_serving(profile, cfg, args.quick, say)
+        add_serving(profile, cfg, ServingPlan.from_dict(profile["settings"]["serving_plan"]), say)
     print(format_fits(profile))
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)
-    print(f"wrote {args.out} in {profile['elapsed_s']:.1f} s")
+    print(f"wrote {args.out} in {profile['elapsed_s']:.1f} s (estimated {profile['settings']['estimated_s']:.1f} s)")
     return 0
 
 

@@ -68,8 +68,9 @@ def add_host_cores_arg(p) -> None:
 
 
 def read_profile(path: str) -> tuple:
-    """``(StepModel, model spec, dtype, ServingPaths or None)`` of a profile JSON; ValueError (one
-    line) when it cannot be read or lacks what the simulation needs."""
+    """``(StepModel, model spec, dtype, ServingPaths or None, measured)`` of a profile JSON
+    (``measured``: ``range_notes``' ranges); ValueError (one line) when it cannot be read or lacks
+    what the simulation needs."""
     from pdserve.planner.host_cpu import ServingPaths
     from pdserve.planner.step_model import StepModel
 
@@ -81,9 +82,29 @@ def read_profile(path: str) -> tuple:
     try:
         model, serving = StepModel.from_profile(profile), ServingPaths.from_profile(profile)
         spec, dtype = profile["settings"]["model_spec"], profile["machine"]["dtype"]
+        points = profile["points"]
+        measured = (
+            max(q["tokens"] + q["cached_tokens"] for q in points["prefill"]),
+            max(q["context"] for q in points["decode"]),
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--profile {path}: {exc if isinstance(exc, ValueError) else f'no {exc}'}") from None
-    return model, str(spec), str(dtype), serving
+    return model, str(spec), str(dtype), serving, measured
+
+
+def range_notes(measured: tuple[float, float], specs: list) -> list[str]:
+    """A note for each of the workload's lengths (``specs``: ``RequestSpec``) past what the
+    profile measured (``measured``: its longest prompt, cached prefix included, and its longest
+    decoding context, tokens): their step times extrapolate the profile's fit."""
+    prompt = max((len(s.prompt_token_ids) for s in specs), default=0)
+    context = max((len(s.prompt_token_ids) + s.max_tokens for s in specs), default=0)
+    how = "their steps' times extrapolate its fit (a longer --time-budget or the flag of that grid measures them)"
+    notes = []
+    if prompt > measured[0]:
+        notes.append(f"note: prompts of up to {prompt} tokens; the profile measured up to {measured[0]:.0f}: {how}")
+    if context > measured[1]:
+        notes.append(f"note: contexts of up to {context} tokens; the profile decoded up to {measured[1]:.0f}: {how}")
+    return notes
 
 
 def cmd_simulate(args) -> int:
@@ -95,7 +116,7 @@ def cmd_simulate(args) -> int:
     from pdserve.loadgen.prefix_cache import prefix_cache_report
     from pdserve.planner.simulate import SimConfig, Simulator
 
-    model, spec, dtype, serving = read_profile(args.profile)
+    model, spec, dtype, serving, measured = read_profile(args.profile)
     if serving is None:
         print("the profile has no serving section: steps take the engine's time only", flush=True)
     slo = slo_from_args(args)
@@ -136,6 +157,8 @@ def cmd_simulate(args) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the profile's model {spec!r}: {exc}") from None
     specs = build_specs(args, sim.tokenizer, sim.max_model_len, args.rate)
+    for note in range_notes(measured, specs):
+        print(note, flush=True)
     n = len(sim.workers)
     print(f"simulating {len(specs)} requests on {n} {args.placement} worker{'s' if n != 1 else ''}", flush=True)
     t0 = time.perf_counter()

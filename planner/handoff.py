@@ -1,7 +1,9 @@
 """The KV hand-off of ``pdserve profile``: a real decode worker on loopback, fed the way a prefill
 worker feeds it.
 
-For each prompt length a prompt is prefilled on the profiled engine, then each timed hand-off
+For each prompt length a sequence is admitted into the profiled engine with random KV (the KV's
+values do not change what a hand-off moves, and a prefill of the longest prompts would take longer
+than all their hand-offs), then each timed hand-off
 (``benchmarks/kv_handoff.py``'s ``e2e``) does what ``PrefillWorker`` does after a prefill step:
 
 - ``read``: ``ModelRunner.read_kv`` out of the paged cache into reused host buffers
@@ -28,6 +30,7 @@ from pdserve.engine.kv.buffers import HostBuffers
 from pdserve.engine.kv.codec import KvPayload, encode_kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduling.sequence import Sequence
 from pdserve.planner.grid import Grid
 from pdserve.prefill_worker.worker import kv_sender_for
 from pdserve.rpc.auth import internal_channel
@@ -41,9 +44,10 @@ TRANSPORT = (
 
 
 async def measure_handoff(
-    engine: LLMEngine, grid: Grid, ids: Callable[[int], list[int]], say: Callable[[str], None]
+    engine: LLMEngine, grid: Grid, admit: Callable[[int], Sequence], say: Callable[[str], None]
 ) -> tuple[list[dict], str]:
-    """One point per ``grid.handoff_tokens`` length (prompts of ``ids(n)`` tokens): ``tokens``, KV
+    """One point per ``grid.handoff_tokens`` length (``admit(n)``: a sequence of ``n`` prompt tokens
+    and its first token, its KV in ``engine``'s cache, finished here after its runs): ``tokens``, KV
     ``bytes``, the median ``read_s``, ``encode_s`` and ``push_s`` and the median total ``seconds``
     (``samples_s`` its runs), all in seconds; and a description of the transport. The runs are
     spread over the grid's passes, as the step points are."""
@@ -60,9 +64,7 @@ async def measure_handoff(
     try:
         for k, reps in enumerate(passes, 1):
             for n in grid.handoff_tokens:
-                seq = engine.add_request(f"profile-handoff-{n}-{k}", ids(n), sampling)
-                while not seq.num_output_tokens:
-                    engine.step()
+                seq = admit(n)
                 for i in range(grid.warmup + reps):
                     rid = f"profile-handoff-{n}-{k}-{i}"
                     stream = stub.Decode(worker_pb2.DecodeRequest(request_id=rid, kv_timeout_s=60))

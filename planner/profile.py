@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -38,12 +34,13 @@ from pdserve.engine.kv.codec import KvPayload
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import Sequence
+from pdserve.planner.budget import ServingPlan, calibrate, estimate_s, fit_budget
 from pdserve.planner.grid import Grid, Limits, batched_points, cached_points, decode_points, fit_grid, mixed_points
 from pdserve.planner.handoff import measure_handoff
-from pdserve.planner.step_model import SCHEMA, fit_profile
+from pdserve.planner.machine import machine
+from pdserve.planner.step_model import SCHEMA, StepModel, fit_profile
 from pdserve.worker.cpus import pinned_thread, worker_cpu
 
-CPU_FLAGS = ("avx2", "avx512f", "amx_bf16")
 TIMER = (
     "median of repeats of time.perf_counter() around LLMEngine.step(), spread over passes over all the step "
     "points (the hand-offs: over theirs), each pass of a point after warmup untimed runs"
@@ -71,35 +68,6 @@ def load_engine(cfg: EngineConfig) -> LLMEngine:
 def limits(engine: LLMEngine) -> Limits:
     blocks, bs = engine.blocks.num_blocks, engine.cfg.block_size
     return Limits(engine.cfg.token_budget, engine.cfg.max_num_seqs, min(engine.max_model_len, blocks * bs), blocks, bs)
-
-
-def machine(engine: LLMEngine) -> dict:
-    """The hardware and software the profile was measured on."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    device = engine.runner.device
-    return {
-        "cpu_model": model or platform.processor() or "unknown",
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
-        "torch_version": torch.__version__,
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "dtype": engine.runner.dtype_name,
-        "attention_backend": engine.runner.model.attention.name,
-        "model": engine.model_dir.name,
-        "model_fingerprint": engine.fingerprint.digest(),
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 class Stepper:
@@ -149,13 +117,15 @@ class Stepper:
         while self.engine.has_work():
             self.engine.step()
 
-    def admit(self, b: int, context: int) -> list[Sequence]:
-        """``b`` decoding sequences of ``context`` tokens, admitted with random KV (a decode worker's path)."""
+    def admit(self, b: int, context: int, max_tokens: int = 0) -> list[Sequence]:
+        """``b`` decoding sequences of ``context`` tokens, admitted with random KV (a decode worker's
+        path), each to produce ``max_tokens`` tokens (0: the grid's ``decode_margin``)."""
         e = self.engine
         mc = e.model_cfg
         kv = torch.randn(mc.num_layers, 2, context, mc.num_kv_heads, mc.head_dim, generator=self.gen)
         kv = kv.to(e.runner.dtype)
-        sampling = SamplingParams(temperature=0.0, max_tokens=self.grid.decode_margin, ignore_eos=True).to_dict()
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens or self.grid.decode_margin, ignore_eos=True)
+        sampling = sampling.to_dict()
         return [
             e.admit_kv(KvPayload(self.rid("decode"), e.fingerprint, self.ids(context), self.ids(1)[0], sampling, kv))
             for _ in range(b)
@@ -255,17 +225,27 @@ def decode_section(st: Stepper, lim: Limits, mixed: bool = False) -> Section:
 
 
 def run_profile(
-    cfg: EngineConfig, grid: Grid, explicit: set[str] = frozenset(), say: Callable[[str], None] = lambda _: None
+    cfg: EngineConfig,
+    grid: Grid,
+    explicit: set[str] = frozenset(),
+    say: Callable[[str], None] = lambda _: None,
+    budget_s: float | None = None,
+    serving: Callable[[StepModel, int], ServingPlan] | None = None,
 ) -> dict:
     """Measure every point of ``grid`` (cut to what the engine holds; ``explicit``: the grid
     fields the user set, see ``fit_grid``) and fit the model; returns the profile (schema
-    ``SCHEMA``, layout in docs/cli.md). ``say`` gets one progress line per point.
+    ``SCHEMA``, layout in docs/cli.md). ``say`` gets one progress line per point. ``serving``
+    builds the plan of the serving section that follows (from a step model and the longest prompt,
+    tokens; planner/serving.py), for the estimate; the grid and that plan are cut to about
+    ``budget_s`` seconds in all (planner/budget.py; None: no cut), the plan kept in the settings'
+    ``serving_plan``.
 
     ValueError for settings the profile cannot use, a model that cannot load, or a grid the
     engine cannot hold; RuntimeError when the engine does not run a step as built."""
     check_config(cfg)
     start = time.perf_counter()
     engine = load_engine(cfg)
+    worker_start_s = time.perf_counter() - start
     lim = limits(engine)
     grid, notes = fit_grid(grid, lim, explicit)
     for note in notes:
@@ -274,9 +254,17 @@ def run_profile(
     cpu = worker_cpu(cfg.device, cfg.torch_threads)  # pinned as pdserve serve pins a worker
     with pinned_thread([cpu]) if cpu is not None else contextlib.nullcontext():
         st.run_to_end(st.ids(min(64, lim.room - 1)))  # warms the kernels up
+        rough = calibrate(st, lim, worker_start_s)
+        plan = serving(rough.steps, engine.max_model_len - 2) if serving else None
+        grid, plan, cuts = fit_budget(grid, lim, rough, budget_s, plan, explicit)
+        for note in cuts:
+            say(f"skipped: {note}")
+        st.grid, notes = grid, notes + cuts
+        estimate = time.perf_counter() - start + estimate_s(grid, lim, rough, plan)
+        say(f"estimated {estimate / 60:.1f} min in all" + (f" (--time-budget {budget_s:g} s)" if budget_s else ""))
         sections = [prefill_section(st, lim), decode_section(st, lim), decode_section(st, lim, mixed=True)]
         points = measure_steps(st, sections, say)
-        points["handoff"], transport = asyncio.run(measure_handoff(engine, grid, st.ids, say))
+        points["handoff"], transport = asyncio.run(measure_handoff(engine, grid, lambda n: st.admit(1, n, 2)[0], say))
     settings = {
         "model_spec": cfg.model,
         "block_size": cfg.block_size,
@@ -293,6 +281,9 @@ def run_profile(
         "handoff_transport": transport,
         "pinned_cpu": cpu,
         "skipped": notes,
+        "time_budget_s": budget_s,
+        "estimated_s": estimate,
+        "serving_plan": asdict(plan) if plan else None,
     }
     profile = {"schema": SCHEMA, "machine": machine(engine), "settings": settings, "points": points}
     profile["fits"] = fit_profile(points)

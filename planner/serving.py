@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.config import EngineConfig
+from pdserve.planner.budget import ServingPlan
 from pdserve.planner.serving_fit import fit_serving
 from pdserve.planner.step_model import StepModel
 from pdserve.worker.cpus import cpu_shares, pin_process
@@ -245,23 +246,36 @@ def stop_processes(procs: list[tuple]) -> None:
             proc.join(5)
 
 
-def add_serving(profile: dict, cfg: EngineConfig, quick: bool, say: Callable[[str], None]) -> None:
-    """Measure the serving path of each placement (``measure_serving``; ``quick``: two small
-    batches of short outputs, two prompt lengths) and add the points (``points.serving``,
-    ``points.first_token``), the load points' steps (``quick``: a third as many requests), and each
+def serving_plan(cfg: EngineConfig, quick: bool, room: int, model: StepModel) -> ServingPlan:
+    """What ``add_serving`` runs (``quick``: two small batches of short outputs, two prompt
+    lengths, a third as many load requests), prompts cut to ``room`` tokens, the loads' rates from
+    ``model``'s prefill time (planner/serving_load.py)."""
+    from pdserve.planner.serving_load import LOAD_OUTPUTS, LOAD_PROMPT, LOAD_REQUESTS, load_rate, load_roles
+
+    batches, outputs = ((1, 4), (8, 16)) if quick else (DEFAULT_BATCHES, DEFAULT_OUTPUTS)
+    prompts = tuple(sorted({min(n, room) for n in (FIRST_TOKEN_PROMPTS[:2] if quick else FIRST_TOKEN_PROMPTS)}))
+    n = min(LOAD_PROMPT, room)
+    rates = tuple(load_rate(load_roles(p, cfg), model.prefill_s(n)) for p in SECTIONS)
+    requests = LOAD_REQUESTS // 3 if quick else LOAD_REQUESTS
+    first = (prompts, FIRST_TOKEN_REPEATS, FIRST_TOKEN_GAP_S)
+    return ServingPlan(batches, outputs, PROMPT_TOKENS, *first, requests, n, LOAD_OUTPUTS, rates)
+
+
+def add_serving(profile: dict, cfg: EngineConfig, plan: ServingPlan, say: Callable[[str], None]) -> None:
+    """Measure the serving path of each placement (``measure_serving``, the batches, outputs and
+    first-token prompts of ``plan``, see ``serving_plan``) and add the points (``points.serving``,
+    ``points.first_token``), the load points' steps (``plan.load_requests`` requests), and each
     placement's fit (``fits.serving``, ``fits.serving_split``, planner/serving_fit.py: the load
     points' summary in its ``load``) to ``profile`` in place, their time to ``elapsed_s``."""
-    from pdserve.planner.serving_load import LOAD_REQUESTS, measure_load
+    from pdserve.planner.serving_load import measure_load
 
     start = time.perf_counter()
     model = StepModel.from_profile(profile)
-    batches, outputs = ((1, 4), (8, 16)) if quick else (DEFAULT_BATCHES, DEFAULT_OUTPUTS)
     room = profile["settings"]["max_model_len"] - 2
-    prompts = tuple(sorted({min(n, room) for n in (FIRST_TOKEN_PROMPTS[:2] if quick else FIRST_TOKEN_PROMPTS)}))
     profile["points"]["serving"], profile["points"]["first_token"] = [], []
     for placement, section in SECTIONS.items():
-        points, first = measure_serving(cfg, placement, batches, outputs, prompts, say)
-        load = measure_load(cfg, placement, model, room, LOAD_REQUESTS // 3 if quick else LOAD_REQUESTS, say)
+        points, first = measure_serving(cfg, placement, plan.batches, plan.outputs, plan.first_token_prompts, say)
+        load = measure_load(cfg, placement, model, room, plan.load_requests, say)
         profile["points"]["serving"] += points
         profile["points"]["first_token"] += first
         profile["fits"][section] = fit_serving(points, first, model, placement, load)
