@@ -8,12 +8,12 @@ import ipaddress
 import json
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pdserve.cli.out_dir import prepare_out_dir
 from pdserve.loadgen.args import (
     add_slo_args,
     add_workload_args,
@@ -49,19 +49,6 @@ def http_url(text: str) -> str:
             f"invalid URL {text!r}: expected http://HOST:PORT or https://HOST:PORT, e.g. http://127.0.0.1:8000"
         )
     return text
-
-
-def prepare_out_dir(out: str) -> Path:
-    """The folder ``--out`` names, created (parents too) and checked writable before any request is
-    sent. ValueError (one line) when it cannot be created or written."""
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise ValueError(f"cannot write results to --out {out}: {exc.strerror or exc}") from None
-    return path
 
 
 def first_errors(records: Sequence[RequestRecord], limit: int = 3) -> list[str]:

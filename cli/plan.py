@@ -12,6 +12,7 @@ import math
 import time
 from pathlib import Path
 
+from pdserve.cli.out_dir import drops_empty_out
 from pdserve.cli.simulate import add_host_cores_arg, add_worker_size_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
 from pdserve.worker.flags import non_negative_int, positive_fraction, positive_int
@@ -84,8 +85,9 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+@drops_empty_out
 def cmd_plan(args) -> int:
-    from pdserve.cli.bench import prepare_out_dir
+    from pdserve.cli.out_dir import prepare_out_dir
     from pdserve.cli.simulate import range_notes, read_profile
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
@@ -161,7 +163,7 @@ def cmd_plan(args) -> int:
             f"best: none: no placement meets the SLO for {args.attainment:.0%} of requests at any rate probed; "
             "loosen --slo-ttft-ms / --slo-tpot-ms or --attainment, or give a smaller workload"
         )
-    for line in probe_warnings(best, args.max_probe_requests):
+    for line in probe_warnings(best, args.max_probe_requests, rows):
         print(line, flush=True)
     doc = {
         "workers": args.workers,
@@ -183,17 +185,23 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def probe_warnings(best: dict, max_probe_requests: int) -> list[str]:
+def probe_warnings(best: dict, max_probe_requests: int, rows: list[dict] = ()) -> list[str]:
     """Warnings on how far to trust ``best``'s rate: it met the SLO at every rate the search
-    probed (``search_ceiling``), or its probes were cut at ``--max-probe-requests`` before a queue
-    could build (``probe_capped``)."""
+    probed (``search_ceiling``; with the other ``rows`` that did too, whose order is then no
+    ranking), or its probes were cut at ``--max-probe-requests`` before a queue could build
+    (``probe_capped``)."""
     if best.get("goodput_per_worker_rps", 0) <= 0:
         return []
     lines = []
     if best.get("search_ceiling"):
+        tied = [r["label"] for r in rows if r is not best and r.get("search_ceiling")]
+        names = ", ".join(tied[:3]) + (", ..." if len(tied) > 3 else "")
+        others = f"{len(tied)} other{'s' if len(tied) != 1 else ''} ({names})"
+        also = f"; so did {others}, so their order says nothing: raise the top of --rates to separate them"
+        also = also if tied else ""
         lines.append(
             f"warning: {best['label']} met the SLO at every rate probed, up to {best['max_rate_rps']:.3g} req/s a "
-            "unit: its rate is the search's ceiling, not the placement's limit"
+            f"unit: its rate is the search's ceiling, not the placement's limit{also}"
         )
     if best.get("probe_capped"):
         lines.append(
@@ -205,12 +213,13 @@ def probe_warnings(best: dict, max_probe_requests: int) -> list[str]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["placement", "unit", "max rate", "goodput/worker", "attainment", "TTFT p90 ms", "TPOT p50 ms"]
+    head = ["placement", "unit", "max rate", "goodput", "goodput/worker", "attainment", "TTFT p90 ms", "TPOT p50 ms"]
     cells = [
         [
             r["label"],
             str(r["unit"]),
             f"{r['max_rate_rps']:.3g}",
+            f"{r['cluster_goodput_rps']:.3g}",
             f"{r['goodput_per_worker_rps']:.3g}",
             f"{r['slo_attainment']:.0%}",
             f"{r['ttft_p90_ms']:.1f}",
@@ -219,7 +228,9 @@ def print_table(rows: list[dict]) -> None:
         for r in rows
     ]
     widths = [max(len(x) for x in col) for col in zip(head, *cells)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "   (rates in req/s)")
+    print(
+        "  ".join(h.ljust(w) for h, w in zip(head, widths)) + "   (req/s; max rate a unit, goodput of all the workers)"
+    )
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
@@ -245,6 +256,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(range(len(keys)), [f"{p}:{d}" for p, d in keys])
     ax.set_xlabel("P:D")
     ax.set_ylabel("goodput per worker, req/s")
+    ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

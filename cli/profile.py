@@ -15,7 +15,7 @@ from dataclasses import replace
 from pdserve.planner.grid import DEFAULT, QUICK, USER_FIELDS
 from pdserve.worker.flags import add_engine_args, engine_config_from_args, non_negative_float, positive_int
 
-DEFAULT_BUDGET_S = 300.0
+DEFAULT_BUDGET_S = 600.0
 
 
 def int_list(text: str) -> tuple[int, ...]:

@@ -8,8 +8,10 @@ This module stays torch-free at import (``pdserve --help`` builds every parser);
 from __future__ import annotations
 
 import json
+import math
 import time
 
+from pdserve.cli.out_dir import drops_empty_out
 from pdserve.cli.serve import add_routing_args
 from pdserve.loadgen.args import add_slo_args, add_workload_args
 from pdserve.worker.flags import non_negative_float, non_negative_int, positive_float, positive_int
@@ -82,10 +84,10 @@ def read_profile(path: str) -> tuple:
     try:
         model, serving = StepModel.from_profile(profile), ServingPaths.from_profile(profile)
         spec, dtype = profile["settings"]["model_spec"], profile["machine"]["dtype"]
-        points = profile["points"]
+        points = profile.get("points") or {}  # a profile written by hand may hold its fits alone
         measured = (
-            max(q["tokens"] + q["cached_tokens"] for q in points["prefill"]),
-            max(q["context"] for q in points["decode"]),
+            max((q["tokens"] + q["cached_tokens"] for q in points.get("prefill", [])), default=math.inf),
+            max((q["context"] for q in points.get("decode", [])), default=math.inf),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--profile {path}: {exc if isinstance(exc, ValueError) else f'no {exc}'}") from None
@@ -107,8 +109,10 @@ def range_notes(measured: tuple[float, float], specs: list) -> list[str]:
     return notes
 
 
+@drops_empty_out
 def cmd_simulate(args) -> int:
-    from pdserve.cli.bench import first_errors, prepare_out_dir, print_summary, write_results
+    from pdserve.cli.bench import first_errors, print_summary, write_results
+    from pdserve.cli.out_dir import prepare_out_dir
     from pdserve.cluster.config import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
     from pdserve.engine.config import EngineConfig
     from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args

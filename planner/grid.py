@@ -1,9 +1,11 @@
 """The points ``pdserve profile`` measures, and how they are cut to what one engine can hold.
 
-The default grid spans what a placement decision needs on a CPU in under a minute: prompt steps of
+The default grid spans what a placement decision needs: prompt steps of
 16..2048 tokens, cached prefixes of 256 and 1024 tokens, steps of 4 and 16 prompts at once, decode
 batches of 1..64 sequences at contexts up to 4096 tokens, mixed steps at two decode contexts, and
-hand-offs of 16..4096 tokens of KV. The quick grid is a few small points of each kind, for tests.
+hand-offs of 16..4096 tokens of KV; ``pdserve profile --time-budget`` cuts its largest values where a
+slow machine would take longer than the budget (planner/budget.py). The quick grid is a few small
+points of each kind, for tests.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.cli import bench as cli
 from pdserve.cli.main import main
+from pdserve.cli.out_dir import prepare_out_dir
 from pdserve.engine.text.tokenizer import Tokenizer
 from pdserve.loadgen.args import build_specs, fall_back_without_datasets, slo_from_args
 from pdserve.loadgen.dataset_files import DATASETS_ENV
@@ -235,7 +236,7 @@ def test_unwritable_out_fails_before_any_request(where, no_datasets, embedded_di
 
 def test_out_folder_is_created_before_the_run(tmp_path):
     out = tmp_path / "a" / "b"
-    assert cli.prepare_out_dir(str(out)) == out and out.is_dir() and not any(out.iterdir())
+    assert prepare_out_dir(str(out)) == out and out.is_dir() and not any(out.iterdir())
 
 
 # --- 5. the SLOs go together -----------------------------------------------------------------------

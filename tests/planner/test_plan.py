@@ -144,6 +144,8 @@ def test_a_rate_found_at_the_search_ceiling_or_with_capped_probes_is_flagged(tmp
     best = doc["best"]
     assert code == 0 and best["search_ceiling"] and best["probe_capped"]
     assert "its rate is the search's ceiling, not the placement's limit" in out
+    tied = [r for r in doc["candidates"][1:] if r["search_ceiling"]]  # the others met every rate too
+    assert tied and f"so did {len(tied)} other" in out and "raise the top of --rates to separate them" in out
     assert "a probe of 40 requests (--max-probe-requests) ends before a queue can build" in out
 
 

@@ -211,3 +211,25 @@ def test_split_prefill_starts_once_the_busy_decode_worker_has_held_the_prefix():
     prefill_start = b.sent_s + b.queue_s
     assert prefill_start == pytest.approx(a_steps[6])  # the pin waited for that step to end
     assert b.ttft_s == pytest.approx(a_steps[6] - send + model.prefill_s(64))
+
+
+def test_lengths_past_what_the_profile_measured_are_noted(tmp_path):
+    """48-token prompts (54 tokens with their output) against a profile whose prompt steps reached
+    32 tokens and whose decode contexts reached 40: both are noted; a profile reaching past them,
+    and one with its fits alone, note nothing."""
+
+    def run(points: dict) -> str:
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps({**toy_profile(), "points": points}))
+        code, stdout, _ = run_cli("simulate", "--profile", str(path), "--prompts", "random", *WORKLOAD,
+                                  "--out", str(tmp_path / "run"))  # fmt: skip
+        assert code == 0, stdout
+        return stdout
+
+    def points(prompt: int, context: int) -> dict:
+        return {"prefill": [{"tokens": prompt - 16, "cached_tokens": 16}], "decode": [{"context": context}]}
+
+    out = run(points(32, 40))
+    assert "note: prompts of up to 48 tokens; the profile measured up to 32: their steps' times extrapolate" in out
+    assert "note: contexts of up to 54 tokens; the profile decoded up to 40:" in out
+    assert "note:" not in run(points(48, 54)) and "note:" not in run({})
