@@ -222,8 +222,8 @@ def print_table(rows: list[dict]) -> None:
             f"{r['cluster_goodput_rps']:.3g}",
             f"{r['goodput_per_worker_rps']:.3g}",
             f"{r['slo_attainment']:.0%}",
-            f"{r['ttft_p90_ms']:.1f}",
-            f"{r['tpot_p50_ms']:.1f}",
+            _ms(r["ttft_p90_ms"]),
+            _ms(r["tpot_p50_ms"]),
         ]
         for r in rows
     ]
@@ -233,6 +233,11 @@ def print_table(rows: list[dict]) -> None:
     )
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _ms(value: float) -> str:
+    """A latency cell; "-" where no request met the rate (a NaN percentile)."""
+    return "-" if math.isnan(value) else f"{value:.1f}"
 
 
 def plot(rows: list[dict], path: Path) -> None:

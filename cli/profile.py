@@ -80,7 +80,7 @@ def cmd_profile(args) -> int:
     grid = replace(grid, **chosen, repeats=args.repeats or grid.repeats)
     print(
         f"profiling {args.model or 'embedded'}: {'quick' if args.quick else 'default'} grid, "
-        f"median of {grid.repeats} runs a point",
+        f"median of {grid.repeats} runs a point, spread over {len(grid.pass_repeats())} passes over the points",
         flush=True,
     )
     cfg = engine_config_from_args(args)

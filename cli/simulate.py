@@ -83,6 +83,9 @@ def read_profile(path: str) -> tuple:
         raise ValueError(f"cannot read --profile {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         model, serving = StepModel.from_profile(profile), ServingPaths.from_profile(profile)
+        for section in ("settings", "machine"):
+            if not isinstance(profile.get(section), dict):
+                raise ValueError(f"profile has no {section!r} section (a JSON object)")
         spec, dtype = profile["settings"]["model_spec"], profile["machine"]["dtype"]
         points = profile.get("points") or {}  # a profile written by hand may hold its fits alone
         measured = (
@@ -90,7 +93,8 @@ def read_profile(path: str) -> tuple:
             max((q["context"] for q in points.get("decode", [])), default=math.inf),
         )
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--profile {path}: {exc if isinstance(exc, ValueError) else f'no {exc}'}") from None
+        why = {KeyError: f"no {exc}", TypeError: f"a section of the wrong shape ({exc})"}.get(type(exc), exc)
+        raise ValueError(f"--profile {path}: {why}") from None
     return model, str(spec), str(dtype), serving, measured
 
 

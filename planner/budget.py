@@ -36,6 +36,7 @@ KEEP = {
 }
 PROCESS_START_S = 5.0  # a spawned process's interpreter and imports (torch, grpc), before its own work
 SERVING_STEP_S = 0.01  # a serving step's time beyond the engine's (gRPC, the router's relay)
+MIN_SAVING_S = 1.0  # a value whose points cost less is kept: dropping it saves nothing worth its points
 HANDOFF_S = 5.0  # the hand-off section: a decode worker on loopback and its transfers
 CALIBRATE_PROMPTS = (32, 128, 512)
 CALIBRATE_DECODES = ((1, 64), (16, 64), (16, 512))
@@ -151,6 +152,16 @@ def estimate_s(g: Grid, lim: Limits, costs: Costs, serving: ServingPlan | None) 
     return steps_s(g, lim, costs) + (serving.seconds(costs) if serving else 0.0)
 
 
+def over_budget(estimate: float, budget_s: float | None, serving: ServingPlan | None, costs: Costs) -> str:
+    """What to tell a user whose budget the cut grid still misses ("" when it fits)."""
+    if budget_s is None or estimate <= budget_s:
+        return ""
+    alone = ""
+    if serving is not None:
+        alone = f"; the serving section alone is about {serving.seconds(costs):.0f} s (--no-serving leaves it out)"
+    return f"; past the budget with every axis cut to what its fit needs{alone}"
+
+
 def fit_budget(
     g: Grid,
     lim: Limits,
@@ -178,7 +189,7 @@ def fit_budget(
             cut = replace(owner, **{field: getattr(owner, field)[:-1]})
             saved = now - (total(g, cut) if owner is serving else total(cut, serving))
             options.append((saved, field, cut))
-        options = [o for o in options if o[0] > 0]
+        options = [o for o in options if o[0] >= MIN_SAVING_S]
         if not options:
             break
         saved, field, cut = max(options, key=lambda o: o[0])

@@ -34,7 +34,7 @@ from pdserve.engine.kv.codec import KvPayload
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduling.sequence import Sequence
-from pdserve.planner.budget import ServingPlan, calibrate, estimate_s, fit_budget
+from pdserve.planner.budget import ServingPlan, calibrate, estimate_s, fit_budget, over_budget
 from pdserve.planner.grid import Grid, Limits, batched_points, cached_points, decode_points, fit_grid, mixed_points
 from pdserve.planner.handoff import measure_handoff
 from pdserve.planner.machine import machine
@@ -261,7 +261,8 @@ def run_profile(
             say(f"skipped: {note}")
         st.grid, notes = grid, notes + cuts
         estimate = time.perf_counter() - start + estimate_s(grid, lim, rough, plan)
-        say(f"estimated {estimate / 60:.1f} min in all" + (f" (--time-budget {budget_s:g} s)" if budget_s else ""))
+        within = f" (--time-budget {budget_s:g} s{over_budget(estimate, budget_s, plan, rough)})" if budget_s else ""
+        say(f"estimated {estimate / 60:.1f} min in all{within}")
         sections = [prefill_section(st, lim), decode_section(st, lim), decode_section(st, lim, mixed=True)]
         points = measure_steps(st, sections, say)
         points["handoff"], transport = asyncio.run(measure_handoff(engine, grid, lambda n: st.admit(1, n, 2)[0], say))
