@@ -5,8 +5,8 @@ decode batches, two runs each, the faster kept) give rough step times. ``estimat
 the grid's points cost (each point's warm-up and timed runs in every pass) and what the serving
 section costs (``ServingPlan``: starting its processes, its batch and first-token requests, its
 load's send times and tails). ``fit_budget`` then drops the largest value of one axis at a time,
-the axis whose largest value costs most first, until the estimate fits the budget or every axis is
-down to what the fits need (``KEEP``). Values the user set are never dropped; each value dropped is
+the axis whose largest value costs most first, until the estimate fits the budget, every axis is
+down to what the fits need (``KEEP``), or what is left to drop saves under ``MIN_SAVING`` of it. Values the user set are never dropped; each value dropped is
 a note in the profile's ``settings.skipped``.
 """
 
@@ -36,7 +36,9 @@ KEEP = {
 }
 PROCESS_START_S = 5.0  # a spawned process's interpreter and imports (torch, grpc), before its own work
 SERVING_STEP_S = 0.01  # a serving step's time beyond the engine's (gRPC, the router's relay)
-MIN_SAVING_S = 1.0  # a value whose points cost less is kept: dropping it saves nothing worth its points
+# A value whose points cost less than this share of the budget is kept (unless the estimate is past the
+# budget by less): dropping it would save nothing worth its points.
+MIN_SAVING = 0.01
 HANDOFF_S = 5.0  # the hand-off section: a decode worker on loopback and its transfers
 CALIBRATE_PROMPTS = (32, 128, 512)
 CALIBRATE_DECODES = ((1, 64), (16, 64), (16, 512))
@@ -189,7 +191,7 @@ def fit_budget(
             cut = replace(owner, **{field: getattr(owner, field)[:-1]})
             saved = now - (total(g, cut) if owner is serving else total(cut, serving))
             options.append((saved, field, cut))
-        options = [o for o in options if o[0] >= MIN_SAVING_S]
+        options = [o for o in options if o[0] > 0 and o[0] >= min(MIN_SAVING * budget_s, now - budget_s)]
         if not options:
             break
         saved, field, cut = max(options, key=lambda o: o[0])

@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import replace
 
-from pdserve.planner.budget import KEEP, MIN_SAVING_S, Costs, ServingPlan, estimate_s, fit_budget, over_budget
+from pdserve.planner.budget import KEEP, MIN_SAVING, Costs, ServingPlan, estimate_s, fit_budget, over_budget
 from pdserve.planner.grid import DEFAULT, QUICK, Limits, fit_grid
 from pdserve.planner.step_model import StepModel
 
@@ -53,19 +53,19 @@ def test_an_impossible_budget_stops_at_what_the_fits_need():
         if len(values) > keep:
             less = replace(owner, **{field: values[:-1]})
             rest = estimate_s(cut, LIM, SLOW, less) if owner is plan else estimate_s(less, LIM, SLOW, plan)
-            assert now - rest < MIN_SAVING_S, field
+            assert now - rest < MIN_SAVING, field
     assert len(cut.prefill_tokens) == KEEP["prefill_tokens"][0] and cut.batch_sizes[-1] < grid.batch_sizes[-1]
     assert cut.handoff_tokens == grid.handoff_tokens and len(notes) > 10
 
 
 def test_values_worth_under_a_second_stay_and_a_missed_budget_says_why():
-    """On a fast machine a tiny budget drops only what saves time; what it still misses is said,
-    with the serving section's share."""
+    """On a fast machine a tiny budget drops only what saves a share of it; what it still misses is
+    said, with the serving section's share."""
     fast = Costs(StepModel(1e-5, 1e-7, 0.0, 0.0, 1e-5, 1e-7, 0.0, 0.0, 0.0, 0.0, math.inf), 1e-9, 0.1)
     grid, _ = fit_grid(DEFAULT, LIM)
     cut, plan, notes = fit_budget(grid, LIM, fast, 1.0, replace(PLAN, gap_s=0.0))
-    assert cut == grid and notes == []  # every value costs far under MIN_SAVING_S
-    assert MIN_SAVING_S >= 0.5 and over_budget(estimate_s(cut, LIM, fast, plan), 1.0, plan, fast).startswith(
+    assert cut == grid and notes == []  # every value costs far under MIN_SAVING of the budget
+    assert over_budget(estimate_s(cut, LIM, fast, plan), 1.0, plan, fast).startswith(
         "; past the budget with every axis cut to what its fit needs; the serving section alone is about"
     )
     assert over_budget(0.5, 1.0, plan, fast) == "" and over_budget(5.0, None, plan, fast) == ""
