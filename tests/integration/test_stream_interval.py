@@ -48,7 +48,9 @@ async def test_chunks_of_n_tokens_carry_the_same_tokens_and_text(embedded_dir, p
         assert got == [t for ch in chunks1 for t in ch.token_ids]
         assert "".join(ch.text for ch in chunks) + end.complete.text == tok.decode(got)
         assert "".join(ch.text for ch in chunks) == "".join(ch.text for ch in chunks1)
-        assert len(chunks[0].token_ids) == 1  # the first token is never held (TTFT)
+        # the first message goes as it arrives (TTFT), never held for the interval: one token, or the
+        # two a late reader found together in the worker's token channel on a busy machine
+        assert len(chunks[0].token_ids) < INTERVAL
         assert all(len(ch.token_ids) >= INTERVAL for ch in chunks[1:-1])
         assert len(chunks) <= 1 + math.ceil((MAX_TOKENS - 1) / INTERVAL) < len(chunks1)
         assert [ch.usage.completion_tokens for ch in chunks] == list(accumulate(len(ch.token_ids) for ch in chunks))
