@@ -6,8 +6,9 @@ the grid's points cost (each point's warm-up and timed runs in every pass) and w
 section costs (``ServingPlan``: starting its processes, its batch and first-token requests, its
 load's send times and tails). ``fit_budget`` then drops the largest value of one axis at a time,
 the axis whose largest value costs most first, until the estimate fits the budget, every axis is
-down to what the fits need (``KEEP``), or what is left to drop saves under ``MIN_SAVING`` of it. Values the user set are never dropped; each value dropped is
-a note in the profile's ``settings.skipped``.
+down to what the fits need (``KEEP``), or what is left to drop saves under ``MIN_SAVING`` of it.
+Values the user set are never dropped; each value dropped is a note in the profile's
+``settings.skipped``.
 """
 
 from __future__ import annotations
