@@ -89,14 +89,12 @@ def cmd_profile(args) -> int:
     say = lambda line: print(line, flush=True)  # noqa: E731
     serving = None
     if args.serving:
-        from pdserve.planner.serving import serving_plan
+        from pdserve.planner.budget import ServingPlan
+        from pdserve.planner.serving import add_serving, serving_plan
 
         serving = lambda model, room: serving_plan(cfg, args.quick, room, model)  # noqa: E731
     profile = run_profile(cfg, grid, set(chosen), say, args.time_budget or None, serving)
     if args.serving:
-        from pdserve.planner.budget import ServingPlan
-        from pdserve.planner.serving import add_serving
-
         add_serving(profile, cfg, ServingPlan.from_dict(profile["settings"]["serving_plan"]), say)
     print(format_fits(profile))
     with open(out, "w") as f:

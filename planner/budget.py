@@ -111,14 +111,14 @@ def calibrate(st, lim: Limits, worker_start_s: float) -> Costs:
         p0, p1, p3 = fit_relative([[1, n, n * n] for n in lengths], pre)
     else:  # a tiny context window: every prompt step is short, charged at the longest's rate
         p0, p1, p3 = 0.0, pre[-1] / lengths[-1], 0.0
-    dec, shapes, admitted = [], [], [0.0, 0]
+    dec, shapes, admit_s, admitted = [], [], 0.0, 0
     for b, n in CALIBRATE_DECODES:
         b, n = min(b, lim.rows), min(n, lim.room - st.grid.decode_margin)
         if n < 1 or b * lim.blocks_for(n + st.grid.decode_margin) > lim.blocks or (b, n) in shapes:
             continue
         t = time.perf_counter()
         seqs = st.admit(b, n)
-        admitted[0], admitted[1] = admitted[0] + time.perf_counter() - t, admitted[1] + b * n
+        admit_s, admitted = admit_s + time.perf_counter() - t, admitted + b * n
         dec.append(min(st.step(b) for _ in range(2)))
         st.finish(seqs)
         shapes.append((b, n))
@@ -127,7 +127,7 @@ def calibrate(st, lim: Limits, worker_start_s: float) -> Costs:
     else:  # a tiny KV cache: charge every decode step the slowest step measured
         d0, d1, d2 = max(dec, default=0.0), 0.0, 0.0
     steps = StepModel(p0, p1, 0.0, p3, d0, d1, d2, 0.0, 0.0, 0.0, math.inf)
-    return Costs(steps, admitted[0] / max(admitted[1], 1), worker_start_s)
+    return Costs(steps, admit_s / max(admitted, 1), worker_start_s)
 
 
 def _runs(g: Grid) -> int:
@@ -189,14 +189,14 @@ def fit_budget(
             owner = serving if field == "first_token_prompts" else g
             if field in explicit or owner is None or len(getattr(owner, field)) <= keep:
                 continue
-            cut = replace(owner, **{field: getattr(owner, field)[:-1]})
+            values = getattr(owner, field)
+            cut = replace(owner, **{field: values[:-1]})
             saved = now - (total(g, cut) if owner is serving else total(cut, serving))
-            options.append((saved, field, cut))
+            options.append((saved, field, cut, values[-1]))
         options = [o for o in options if o[0] > 0 and o[0] >= min(MIN_SAVING * budget_s, now - budget_s)]
         if not options:
             break
-        saved, field, cut = max(options, key=lambda o: o[0])
-        value = getattr(serving if field == "first_token_prompts" else g, field)[-1]
+        saved, field, cut, value = max(options, key=lambda o: o[0])
         if field == "first_token_prompts":
             serving = cut
         else:
