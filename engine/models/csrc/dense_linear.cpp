@@ -61,10 +61,11 @@ struct Bf16 {
 #endif
 
 // Rows m0 .. m0 + M of y for the 16 channels of block nb. Two chains a row (even and odd steps) hide
-// the instruction's latency at one row.
+// the instruction's latency at one row. Where `later` is set, the pass also asks for `share` bytes
+// from there into L2, spread over its steps: another block's weights, read while this pass computes.
 template <typename V, int M>
 void channel_block(const typename V::T* x, const typename V::T* w, const typename V::T* bias, typename V::T* y,
-                   int64_t N, int64_t K, int64_t nb, int64_t m0) {
+                   int64_t N, int64_t K, int64_t nb, int64_t m0, const char* later, int64_t share) {
   using T = typename V::T;
   constexpr int64_t kStep = 16 * V::E;  // elements of w per step
   constexpr int64_t kAhead = kPrefetchBytes / sizeof(T);
@@ -77,6 +78,11 @@ void channel_block(const typename V::T* x, const typename V::T* w, const typenam
   for (; j + 2 <= P; j += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(wb + j * kStep + kAhead), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wb + (j + 1) * kStep + kAhead), _MM_HINT_T0);
+    if (later != nullptr) {
+      const char* at = later + j * share / P;
+      _mm_prefetch(at, _MM_HINT_T1);
+      _mm_prefetch(at + 64, _MM_HINT_T1);
+    }
     for (int m = 0; m < M; ++m) {
       acc[m] = V::fma(acc[m], wb + j * kStep, xr + m * K + V::E * j);
       acc2[m] = V::fma(acc2[m], wb + (j + 1) * kStep, xr + m * K + V::E * (j + 1));
@@ -88,21 +94,30 @@ void channel_block(const typename V::T* x, const typename V::T* w, const typenam
   for (int m = 0; m < M; ++m) V::store(y + (m0 + m) * N + nb * 16, _mm512_add_ps(_mm512_add_ps(acc[m], acc2[m]), b0));
 }
 
+// With more than one pass over a block, the passes after the first (its weights then in L2) ask for
+// the next block's weights, a share each, so that DRAM reads spread over all the arithmetic instead of
+// holding up each block's first pass.
 template <typename V>
 void linear(const typename V::T* x, const typename V::T* packed, const typename V::T* bias, typename V::T* y,
             int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t passes = (M + kRowsPerPass - 1) / kRowsPerPass;
+  const int64_t block_bytes = K * 16 * static_cast<int64_t>(sizeof(typename V::T));
+  const int64_t share = passes > 1 ? block_bytes / (passes - 1) : 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t nb = 0; nb < N / 16; ++nb) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    for (int64_t m0 = 0, pass = 0; m0 < M; m0 += kRowsPerPass, ++pass) {
+      const char* later = pass > 0 && nb + 1 < N / 16
+                              ? reinterpret_cast<const char*>(packed) + (nb + 1) * block_bytes + (pass - 1) * share
+                              : nullptr;
       switch (std::min<int64_t>(kRowsPerPass, M - m0)) {
-        case 1: channel_block<V, 1>(x, packed, bias, y, N, K, nb, m0); break;
-        case 2: channel_block<V, 2>(x, packed, bias, y, N, K, nb, m0); break;
-        case 3: channel_block<V, 3>(x, packed, bias, y, N, K, nb, m0); break;
-        case 4: channel_block<V, 4>(x, packed, bias, y, N, K, nb, m0); break;
-        case 5: channel_block<V, 5>(x, packed, bias, y, N, K, nb, m0); break;
-        case 6: channel_block<V, 6>(x, packed, bias, y, N, K, nb, m0); break;
-        case 7: channel_block<V, 7>(x, packed, bias, y, N, K, nb, m0); break;
-        default: channel_block<V, kRowsPerPass>(x, packed, bias, y, N, K, nb, m0); break;
+        case 1: channel_block<V, 1>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        case 2: channel_block<V, 2>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        case 3: channel_block<V, 3>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        case 4: channel_block<V, 4>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        case 5: channel_block<V, 5>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        case 6: channel_block<V, 6>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        case 7: channel_block<V, 7>(x, packed, bias, y, N, K, nb, m0, later, share); break;
+        default: channel_block<V, kRowsPerPass>(x, packed, bias, y, N, K, nb, m0, later, share); break;
       }
     }
   }
