@@ -167,6 +167,45 @@ def test_paged_kernel_takes_the_last_rows_of_longer_sequences(window):
             torch.testing.assert_close(out[starts[s] + r].view(heads, head_dim).double(), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, [1, 9, 1, 3, 16, 1, 2, 1]], ids=["decode", "mixed"])
+def test_paged_kernel_gives_the_same_bits_on_any_number_of_threads(rows, dtype):
+    """Each thread takes a contiguous run of work items of about equal cost, and a decode item asks
+    for its successor's first rows: whatever the split, every row is computed once, in the same
+    order, and right (lengths on both sides of the 64-position chunks, one far longer than the rest)."""
+    lens, heads, kv_heads, head_dim, block_size = [1, 700, 3, 64, 65, 129, 2, 300], 12, 4, 64, 16
+    rows = rows or [1] * len(lens)
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, tables, table_tensor = random_paged_batch(lens, block_size, kv_heads, head_dim, dtype, gen)
+    starts = [0]
+    for m in rows:
+        starts.append(starts[-1] + m)
+    q = torch.randn(starts[-1], heads, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        any(m > 1 for m in rows),
+        torch.zeros(starts[-1], dtype=torch.int64),
+        table_tensor,
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+    )
+    backend, before, outs = make_backend("cpu-paged", dtype, head_dim, None), torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            outs.append(backend.decode(q, k_cache, v_cache, meta))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    for s, (n, m) in enumerate(zip(lens, rows)):
+        keys = contiguous_kv(k_cache, tables[s], n, block_size)
+        vals = contiguous_kv(v_cache, tables[s], n, block_size)
+        for r in range(m):
+            want = dense_reference(q[starts[s] + r], keys[: n - m + r + 1], vals[: n - m + r + 1], None)
+            got = outs[0][starts[s] + r].view(heads, head_dim).double()
+            torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
