@@ -16,13 +16,16 @@ would only grow (more prefill capacity is what it calls for, which a hot prefill
 utilisation rule). For ``hold_s`` after such a move no utilisation move may empty the
 prefill role again.
 
-**SLO merges** go the other way: when the TPOT p90 is over target on decode workers beside a
+**SLO merges** go the other way: when the TPOT p90 or the TTFT p90 is over its target beside a
 prefill side with room (each prefill worker busy under ``PREFILL_FULL``), a prefill worker moves to
-decode (reason ``slo``) if the window's work, prompts included, fits the workers after it. The
-decode side is then short of workers, and a decode step's cost grows more slowly than its batch
-(the weights are read once a step), so two workers decoding half the batch each beside their own
-prompts can beat one decoding all of it (a 2-core AMX Xeon, W2 at 8 req/s: colocated's TPOT p50
-31-44 ms against split's 36-53 ms, docs/measurements.md).
+decode (reason ``slo``) if the window's work, prompts included, fits the workers after it. With
+TPOT over, the decode side is short of workers, and a decode step's cost grows more slowly than its
+batch (the weights are read once a step), so two workers decoding half the batch each beside their
+own prompts can beat one decoding all of it (a 2-core AMX Xeon, W2 at 8 req/s: colocated's TPOT p50
+31-44 ms against split's 36-53 ms, docs/measurements.md). With TTFT over and the prefill side not
+full, a prompt's own time on one worker is what misses the target, and prompts spread over more
+workers wait less (a 2-core AVX-512 EPYC, W2 at 2-5 req/s: split's TTFT p90 630-1,070 ms with its
+prefill worker half busy, colocated's 270-580 ms).
 
 An SLO move in one direction waits ``hold_s`` after one in the other, and an SLO move that undoes
 the one before it (the TPOT p90 was still over target after it) bars the move it undid for
@@ -141,12 +144,12 @@ class RoleBalancer:
             return None
         now = bottleneck(loads, p, d)
         slow = self.slo_tpot_s is not None and tpot_p90_s is not None and tpot_p90_s > self.slo_tpot_s
+        ttft_over = self.slo_ttft_s is not None and ttft_p90_s is not None and ttft_p90_s > self.slo_ttft_s
         to_prefill = to_decode = None
         if d >= 2:  # a decode worker to prefill: the one whose streams end soonest (least busy)
             w = min((w for w in loads if w.role == "decode"), key=lambda w: w.busy)
             to_prefill = Move(w.address, "decode", "prefill", now, bottleneck(loads, p + 1, d - 1, self.mix_cost))
             local = sum(w.prefill_busy for w in loads if w.role == "decode") / d
-            ttft_over = self.slo_ttft_s is not None and ttft_p90_s is not None and ttft_p90_s > self.slo_ttft_s
             if (
                 slow
                 and not ttft_over
@@ -160,7 +163,7 @@ class RoleBalancer:
             to_decode = Move(w.address, "prefill", "decode", now, bottleneck(loads, p - 1, d + 1, self.mix_cost))
             prefill_full = sum(w.busy for w in loads if w.role == "prefill") / p >= PREFILL_FULL
             fits = bottleneck(loads, p - 1, d + 1) < 1.0  # the window's work, mixing not costed
-            if slow and not prefill_full and fits and self._slo_allowed("decode", now_s):
+            if (slow or ttft_over) and not prefill_full and fits and self._slo_allowed("decode", now_s):
                 return Move(to_decode.address, "prefill", "decode", now, to_decode.predicted, "slo")
         if now < self.high:
             return None

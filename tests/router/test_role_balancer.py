@@ -80,6 +80,19 @@ def test_tpot_over_target_beside_a_prefill_worker_with_room_merges_it_into_decod
     assert b.best_move(two_prefill, tpot_p90_s=0.045) is None  # one prefill worker could not take both's prompts
 
 
+def test_ttft_over_target_beside_a_prefill_worker_with_room_merges_it_into_decode():
+    """A slow machine (W2 at 2-5 req/s on split 1 + 1, a 2-core AVX-512 EPYC): its one prefill worker,
+    half busy, takes most of the TTFT target per prompt, and TPOT is well within its own."""
+    b = RoleBalancer(slo_ttft_s=0.4, slo_tpot_s=0.040)
+    slow_prompts = [load("p0", "prefill", 0.5, 0.0), load("d0", "decode", 0.0, 0.4)]
+    assert b.best_move(slow_prompts, ttft_p90_s=0.3, tpot_p90_s=0.020) is None  # within both
+    move = b.best_move(slow_prompts, ttft_p90_s=0.8, tpot_p90_s=0.020)
+    assert (move.address, move.from_role, move.to_role, move.reason) == ("p0", "prefill", "decode", "slo")
+    full_prefill = [load("p0", "prefill", 0.95, 0.0), load("d0", "decode", 0.0, 0.4)]
+    assert b.best_move(full_prefill, ttft_p90_s=0.8, tpot_p90_s=0.020) is None  # short of prefill capacity
+    assert RoleBalancer(slo_tpot_s=0.040).best_move(slow_prompts, ttft_p90_s=0.8) is None  # no TTFT target
+
+
 def test_an_slo_move_that_is_undone_is_not_tried_again_for_learn_s():
     b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=0.0, hold_s=60.0, learn_s=600.0)
     assert b.observe(0.0, SPLIT_SLOW, tpot_p90_s=0.045).to_role == "decode"  # merge
