@@ -211,6 +211,22 @@ inline void load_rescaled(__m512 (&acc)[kPassGroups][kF], const float (&st_acc)[
   }
 }
 
+// The scores of a chunk's n positions, 16 a vector in sv[0..nsub): dot(kp) gives one position's 16
+// partial sums from its K row kp, and one reduction tree sums 16 positions' partials. Lanes past n
+// score position 0 again, which the softmax masks; a few of the next chunk's lines are asked for
+// before each 16.
+template <typename T, typename Dot>
+inline void score_chunk(__m512 (&sv)[kSub], int nsub, const T* k, const int64_t* slots, int64_t n, int64_t row,
+                        Prefetcher& ahead, Dot dot) {
+  for (int b = 0; b < nsub; ++b) {
+    ahead.step();
+    __m512 part[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) part[j] = dot(k + slots[16 * b + j < n ? 16 * b + j : 0] * row);
+    sv[b] = row_sums16(part);
+  }
+}
+
 // attend_chunk for float32 with head_dim 64 or 128: the scores of 16 positions by FMAs into one
 // vector a position and one reduction tree (where the generic loop sums each dot product across its
 // lanes), and p . v with each group's accumulators in registers, several groups per pass over the
@@ -226,18 +242,12 @@ void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const floa
     __m512 qv[kF];
     for (int f = 0; f < kF; ++f) qv[f] = _mm512_loadu_ps(st.qf[g] + 16 * f);  // q already scaled
     __m512 sv[kSub];
-    for (int b = 0; b < nsub; ++b) {
-      ahead.step();
-      __m512 part[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {  // lanes past n score position 0 again: the softmax masks them
-        const float* kp = k + slots[16 * b + j < n ? 16 * b + j : 0] * row;
-        part[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
+    score_chunk(sv, nsub, k, slots, n, row, ahead, [&](const float* kp) {
+      __m512 part = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
 #pragma GCC unroll 8
-        for (int f = 1; f < kF; ++f) part[j] = _mm512_fmadd_ps(qv[f], _mm512_loadu_ps(kp + 16 * f), part[j]);
-      }
-      sv[b] = row_sums16(part);
-    }
+      for (int f = 1; f < kF; ++f) part = _mm512_fmadd_ps(qv[f], _mm512_loadu_ps(kp + 16 * f), part);
+      return part;
+    });
     online_softmax_chunk(sv, nsub, n, softcap, st.m[g], st.l[g], corr[g], pf[g]);
   }
   for (int64_t g0 = 0; g0 < groups; g0 += kPassGroups) {
@@ -280,19 +290,13 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
     __m512bh qb[kBf];
     for (int c = 0; c < kBf; ++c) qb[c] = st.qb[g][c];
     __m512 sv[kSub];
-    for (int b = 0; b < nsub; ++b) {
-      ahead.step();
-      __m512 part[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {  // lanes past n score position 0 again: the softmax masks them
-        const uint16_t* kp = k + slots[16 * b + j < n ? 16 * b + j : 0] * row;
-        part[j] = _mm512_setzero_ps();
+    score_chunk(sv, nsub, k, slots, n, row, ahead, [&](const uint16_t* kp) {
+      __m512 part = _mm512_setzero_ps();
 #pragma GCC unroll 4
-        for (int c = 0; c < kBf; ++c)
-          part[j] = _mm512_dpbf16_ps(part[j], qb[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
-      }
-      sv[b] = _mm512_mul_ps(row_sums16(part), vscale);
-    }
+      for (int c = 0; c < kBf; ++c) part = _mm512_dpbf16_ps(part, qb[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+      return part;
+    });
+    for (int b = 0; b < nsub; ++b) sv[b] = _mm512_mul_ps(sv[b], vscale);
     online_softmax_chunk(sv, nsub, n, softcap, st.m[g], st.l[g], corr[g], pb[g]);
   }
   // p . v by vdpbf16ps over pairs of positions: unpacklo/hi_epi16 of two V rows gives each lane a
