@@ -79,14 +79,19 @@ async def test_the_router_moves_an_idle_prefill_worker_to_decode_by_itself(embed
         core = pipe.router.core
         core.rebalancer.balancer = RoleBalancer(patience=1, cooldown_s=1000.0, high=0.3)
         core.rebalancer.window_s = 0.3
-        results = await send_all(client, batch, 96, gap_s=0.01)  # short prompts, long outputs: decode-bound
-        deadline = asyncio.get_running_loop().time() + 10
-        while core.rebalancer.task is None and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        sent, results = [], []
+        for _ in range(3):  # on a busy machine, gaps between steps may keep one batch's windows under `high`
+            sent += batch
+            results += await send_all(client, batch, 96, gap_s=0.01)  # short prompts, long outputs: decode-bound
+            deadline = asyncio.get_running_loop().time() + 2
+            while core.rebalancer.task is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if core.rebalancer.task is not None:
+                break
         assert core.rebalancer.task is not None, "no switch proposed"
         assert await core.rebalancer.task
         assert [w.role for w in core.pool.workers] == ["decode", "decode"]
-        for ids, res in zip(batch, results):
+        for ids, res in zip(sent, results):
             assert res.token_ids == hf_greedy(embedded_dir, ids, 96)
         assert await pipe.wait_idle() == 0
 

@@ -52,7 +52,8 @@ async def test_chunks_of_n_tokens_carry_the_same_tokens_and_text(embedded_dir, p
         # two a late reader found together in the worker's token channel on a busy machine
         assert len(chunks[0].token_ids) < INTERVAL
         assert all(len(ch.token_ids) >= INTERVAL for ch in chunks[1:-1])
-        assert len(chunks) <= 1 + math.ceil((MAX_TOKENS - 1) / INTERVAL) < len(chunks1)
+        # (interval 1 sends what arrives, so its message count depends on how busy the machine is)
+        assert len(chunks) <= 1 + math.ceil((MAX_TOKENS - 1) / INTERVAL)
         assert [ch.usage.completion_tokens for ch in chunks] == list(accumulate(len(ch.token_ids) for ch in chunks))
         assert end.complete.finish_reason == PB.FINISH_REASON_LENGTH
         assert end.complete.usage.completion_tokens == MAX_TOKENS
