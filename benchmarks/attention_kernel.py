@@ -21,9 +21,11 @@ Prints the CPU (lscpu's model name, AMX or not) beside the figures; the median o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
+import psutil
 import torch
 from decode_profile import cpu_name
 
@@ -133,10 +135,26 @@ def main() -> None:
     if any(n < 1 for p in prompts for n in p):
         ap.error("--prompt-lens must be at least 1 token each")
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.model_shape]
+    cores = os.cpu_count() or 1
+    if max(args.threads) > cores:
+        ap.error(
+            f"--threads {max(args.threads)} is more than this machine's {cores} cores: the figures would mean nothing"
+        )
+    layers, _, kv_heads, head_dim = shape
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = max(layers * 2 * args.batch * max(args.context) * kv_heads * head_dim * itemsize, 1)
+    if need > 0.8 * psutil.virtual_memory().available:
+        ap.error(
+            f"--batch {args.batch} x --context {max(args.context)} needs {need / 2**30:.1f} GiB of KV caches, more "
+            f"than this machine has free ({psutil.virtual_memory().available / 2**30:.1f} GiB)"
+        )
     for threads in args.threads:
         torch.set_num_threads(threads)
         bandwidth = memory_gbps(torch.device("cpu"))
-        print(f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; {args.model_shape} shape {shape}, {args.dtype}")
+        print(
+            f"CPU: {cpu_name()}; read probe {bandwidth:.1f} GB/s; {args.model_shape} shape: {layers} layers, "
+            f"{shape[1]} query heads, {kv_heads} KV heads, head_dim {head_dim}; {args.dtype}"
+        )
         for context in args.context:
             run_decode(args, dtype, shape, args.batch, context, bandwidth)
         for lens in prompts:

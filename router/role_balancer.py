@@ -12,9 +12,9 @@ the TPOT p90 is over its target (``slo_tpot_s``) while the decode workers spend 
 own cures (DistServe's argument for splitting the phases). It needs a second decode worker, both
 sides must stay under ``high`` after it, and the TTFT p90 must be within its target
 (``slo_ttft_s``): after a split the prompts queue on fewer workers, so a TTFT already over target
-would only grow (more prefill capacity is what it calls for, which a hot prefill side gets from the
-utilisation rule). For ``hold_s`` after such a move no utilisation move may empty the
-prefill role again.
+would only grow (more prefill capacity is what it calls for: a hot prefill side gets it from the
+utilisation rule, one with room from the SLO merge below). For ``hold_s`` after such a move no
+utilisation move may empty the prefill role again.
 
 **SLO merges** go the other way: when the TPOT p90 or the TTFT p90 is over its target beside a
 prefill side with room (each prefill worker busy under ``PREFILL_FULL``), a prefill worker moves to
@@ -22,13 +22,16 @@ decode (reason ``slo``) if the window's work, prompts included, fits the workers
 TPOT over, the decode side is short of workers, and a decode step's cost grows more slowly than its
 batch (the weights are read once a step), so two workers decoding half the batch each beside their
 own prompts can beat one decoding all of it (a 2-core AMX Xeon, W2 at 8 req/s: colocated's TPOT p50
-31-44 ms against split's 36-53 ms, docs/measurements.md). With TTFT over and the prefill side not
-full, a prompt's own time on one worker is what misses the target, and prompts spread over more
-workers wait less (a 2-core AVX-512 EPYC, W2 at 2-5 req/s: split's TTFT p90 630-1,070 ms with its
-prefill worker half busy, colocated's 270-580 ms).
+31-44 ms against split's 36-53 ms, docs/measurements.md). With only TTFT over, prompts queue behind
+each other on the prefill workers and then wait for the hand-off and a first decode step elsewhere;
+spread over more workers and finished where they were prefilled, they wait less (a 2-core AVX-512
+EPYC, W2 at 2-4 req/s, about 180 ms a 256-token prompt on one core: split's TTFT p90 648-874 ms
+with its prefill worker 36-72 % busy, colocated's 297-431 ms). That merge also needs every side
+under ``high`` after it, or the utilisation rule would move the worker back once ``hold_s`` is over
+(and again after each merge, as a utilisation move is not an SLO move the undo bar counts).
 
 An SLO move in one direction waits ``hold_s`` after one in the other, and an SLO move that undoes
-the one before it (the TPOT p90 was still over target after it) bars the move it undid for
+the one before it (its target was still missed after it) bars the move it undid for
 ``learn_s``, twice as long each further time: the balancer tries each direction, keeps what met
 the target, and on a load that neither serves within it (a model too slow for the TPOT target at
 any batch) switches ever more rarely.
@@ -163,7 +166,8 @@ class RoleBalancer:
             to_decode = Move(w.address, "prefill", "decode", now, bottleneck(loads, p - 1, d + 1, self.mix_cost))
             prefill_full = sum(w.busy for w in loads if w.role == "prefill") / p >= PREFILL_FULL
             fits = bottleneck(loads, p - 1, d + 1) < 1.0  # the window's work, mixing not costed
-            if (slow or ttft_over) and not prefill_full and fits and self._slo_allowed("decode", now_s):
+            cool = to_decode.predicted < self.high  # a TTFT merge the utilisation rule would not undo
+            if (slow or (ttft_over and cool)) and not prefill_full and fits and self._slo_allowed("decode", now_s):
                 return Move(to_decode.address, "prefill", "decode", now, to_decode.predicted, "slo")
         if now < self.high:
             return None

@@ -93,6 +93,18 @@ def test_ttft_over_target_beside_a_prefill_worker_with_room_merges_it_into_decod
     assert RoleBalancer(slo_tpot_s=0.040).best_move(slow_prompts, ttft_p90_s=0.8) is None  # no TTFT target
 
 
+def test_a_ttft_merge_the_utilisation_rule_would_undo_is_not_made():
+    """3 prefill + 1 decode, prompt work 1.5 workers' worth: merging one prefill worker leaves the
+    other two 75 % busy, hot, and the utilisation rule would split it back once hold_s is over, again
+    and again (it is no SLO move, so the undo bar never counts it)."""
+    b = RoleBalancer(slo_ttft_s=0.4, slo_tpot_s=0.040)
+    loads = [load(f"p{i}", "prefill", 0.5, 0.0) for i in range(3)] + [load("d0", "decode", 0.0, 0.5)]
+    assert b.best_move(loads, ttft_p90_s=0.6, tpot_p90_s=0.020) is None
+    # with room for it (prompt work of one worker's worth), the merge is made
+    lighter = [load(f"p{i}", "prefill", 1 / 3, 0.0) for i in range(3)] + [load("d0", "decode", 0.0, 0.5)]
+    assert b.best_move(lighter, ttft_p90_s=0.6, tpot_p90_s=0.020).reason == "slo"
+
+
 def test_an_slo_move_that_is_undone_is_not_tried_again_for_learn_s():
     b = RoleBalancer(slo_tpot_s=0.040, patience=1, cooldown_s=0.0, hold_s=60.0, learn_s=600.0)
     assert b.observe(0.0, SPLIT_SLOW, tpot_p90_s=0.045).to_role == "decode"  # merge
