@@ -41,6 +41,11 @@ async def test_chunks_of_n_tokens_carry_the_same_tokens_and_text(embedded_dir, p
         pipe.router.core.stream_interval = 1
         each = await asyncio.gather(*(chunks_and_end(c, r) for r in reqs))
         assert await pipe.wait_idle() == 0
+    # the first message goes as it arrives (TTFT), never held for the interval. A reader that comes late
+    # on a busy machine finds several tokens together in the worker's token channel and sends them as
+    # one first message (9 once in CI), so not every stream shows it, but one of the four concurrent
+    # streams does: a router holding first messages would send none under INTERVAL tokens.
+    assert min(len(chunks[0].token_ids) for chunks, _ in held) < INTERVAL
     for prompt_ids, (chunks, end), (chunks1, end1) in zip(ids, held, each):
         assert end.complete.usage == end1.complete.usage and end.complete.text == end1.complete.text
         got = [t for ch in chunks for t in ch.token_ids]
@@ -48,9 +53,6 @@ async def test_chunks_of_n_tokens_carry_the_same_tokens_and_text(embedded_dir, p
         assert got == [t for ch in chunks1 for t in ch.token_ids]
         assert "".join(ch.text for ch in chunks) + end.complete.text == tok.decode(got)
         assert "".join(ch.text for ch in chunks) == "".join(ch.text for ch in chunks1)
-        # the first message goes as it arrives (TTFT), never held for the interval: one token, or the
-        # two a late reader found together in the worker's token channel on a busy machine
-        assert len(chunks[0].token_ids) < INTERVAL
         assert all(len(ch.token_ids) >= INTERVAL for ch in chunks[1:-1])
         # (interval 1 sends what arrives, so its message count depends on how busy the machine is)
         assert len(chunks) <= 1 + math.ceil((MAX_TOKENS - 1) / INTERVAL)
