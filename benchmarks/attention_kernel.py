@@ -142,11 +142,12 @@ def main() -> None:
         )
     layers, _, kv_heads, head_dim = shape
     itemsize = torch.empty((), dtype=dtype).element_size()
-    need = max(layers * 2 * args.batch * max(args.context) * kv_heads * head_dim * itemsize, 1)
-    if need > 0.8 * psutil.virtual_memory().available:
+    need = layers * 2 * args.batch * max(args.context) * kv_heads * head_dim * itemsize
+    free = psutil.virtual_memory().available
+    if need > 0.8 * free:
         ap.error(
             f"--batch {args.batch} x --context {max(args.context)} needs {need / 2**30:.1f} GiB of KV caches, more "
-            f"than this machine has free ({psutil.virtual_memory().available / 2**30:.1f} GiB)"
+            f"than this machine has free ({free / 2**30:.1f} GiB)"
         )
     for threads in args.threads:
         torch.set_num_threads(threads)
