@@ -17,9 +17,10 @@
 // Positions are scored 64 at a time, one softmax update a chunk, each 16 by one unrolled run of dot
 // products and one reduction tree (lanes past the sequence score a valid row, then are masked). A
 // thread takes a contiguous run of work items and, decoding, asks for the next chunk's K/V rows (or
-// its next item's first) into L2 a few lines at a time while it computes. Batch 32, 256 positions,
-// 12 layers, bf16, one thread of an AVX-512 EPYC: 18.0 -> 6.4 ms a step (4.6 ms with the cache in L3);
-// a 256-token prompt on two threads 14 -> 8 ms.
+// its next item's first) a few lines at a time while it computes. Rows are addressed by element
+// offsets (slot x row) computed once a chunk. Batch 32, 256 positions, 12 layers, bf16, one thread of
+// an AVX-512 EPYC: 18.0 -> 6.4 ms a step (4.6 ms with the cache in L3); a 256-token prompt on two
+// threads 14 -> 8 ms.
 //
 // Layouts (row-major):
 //   q               [num_query_rows, num_heads, head_dim], row i at q + i * q_stride
@@ -128,23 +129,28 @@ inline void cap_scores(float* s, int64_t n, float softcap) {
 }
 
 // The next chunk's K and V rows of a decode item, asked for a few lines at a time from inside the
-// arithmetic (step() once per 16 positions a group scores), so that the reads stream at an even pace;
-// asking for them all at once fills the core's queue of misses and stalls the work beside it.
-// Locality 1 (prefetcht2) fills L2, not L1, which holds the chunk being computed.
+// arithmetic (step() once per 16 positions a group scores and once per 16 positions of each pass over
+// V), so that the reads stream at an even pace; asking for them all at once fills the core's queue of
+// misses and stalls the work beside it. Rows go in as K, V, K, V, ... in position order (all K rows
+// before the V rows, or a block's K before its V, read 40 % slower), each a counted loop of
+// prefetcht0 (prefetcht2, into L2 only, read 10-25 % slower once the requests were paced so).
 struct Prefetcher {
   const char* rows[2 * kChunk];
-  int64_t count = 0, row_bytes = 0, next = 0, off = 0, per_step = 0;
-  void add(const void* p) { rows[count++] = static_cast<const char*>(p); }
-  void step() {
-    for (int64_t i = 0; i < per_step && next < count; ++i) {
-      __builtin_prefetch(rows[next] + off, 0, 1);
-      off += 64;
-      if (off >= row_bytes) off = 0, ++next;
-    }
+  int64_t count = 0, lines_per_row = 0, lines = 0, next = 0, line = 0, per_step = 0;
+  void add(const void* p) {
+    rows[count++] = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+    lines += lines_per_row;
   }
-  void finish() {  // what the arithmetic left unasked
-    per_step = (count - next) * (row_bytes / 64 + 1);
-    step();
+  void step() { take(per_step); }
+  void finish() { take(lines); }  // what the arithmetic left unasked
+  void take(int64_t left) {
+    while (left > 0 && next < count) {
+      const int64_t n = std::min(left, lines_per_row - line);
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(rows[next] + 64 * (line + i), 0, 3);
+      left -= n;
+      line += n;
+      if (line == lines_per_row) line = 0, ++next;
+    }
   }
 };
 
@@ -211,18 +217,25 @@ inline void load_rescaled(__m512 (&acc)[kPassGroups][kF], const float (&st_acc)[
   }
 }
 
-// The scores of a chunk's n positions, 16 a vector in sv[0..nsub): dot(kp) gives one position's 16
-// partial sums from its K row kp, and one reduction tree sums 16 positions' partials. Lanes past n
-// score position 0 again, which the softmax masks; a few of the next chunk's lines are asked for
-// before each 16.
+// The element offsets of a chunk's n positions' rows, padded to 16 nsub with position 0's: the
+// lanes past n score (and, paired with a 0 weight, read) a valid row, which the softmax masks.
+inline int pad_offsets(int64_t (&off)[kChunk], const int64_t* offs, int64_t n) {
+  const int nsub = static_cast<int>((n + 15) / 16);
+  for (int64_t j = 0; j < 16 * nsub; ++j) off[j] = offs[j < n ? j : 0];
+  return nsub;
+}
+
+// The scores of a chunk's positions, 16 a vector in sv[0..nsub): dot(kp) gives one position's 16
+// partial sums from its K row kp, and one reduction tree sums 16 positions' partials; off holds
+// the rows' offsets, padded (pad_offsets). A few of the next chunk's lines are asked for before each 16.
 template <typename T, typename Dot>
-inline void score_chunk(__m512 (&sv)[kSub], int nsub, const T* k, const int64_t* slots, int64_t n, int64_t row,
-                        Prefetcher& ahead, Dot dot) {
+inline void score_chunk(__m512 (&sv)[kSub], int nsub, const T* k, const int64_t (&off)[kChunk], Prefetcher& ahead,
+                        Dot dot) {
   for (int b = 0; b < nsub; ++b) {
     ahead.step();
     __m512 part[16];
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) part[j] = dot(k + slots[16 * b + j < n ? 16 * b + j : 0] * row);
+    for (int j = 0; j < 16; ++j) part[j] = dot(k + off[16 * b + j]);
     sv[b] = row_sums16(part);
   }
 }
@@ -232,17 +245,18 @@ inline void score_chunk(__m512 (&sv)[kSub], int nsub, const T* k, const int64_t*
 // lanes), and p . v with each group's accumulators in registers, several groups per pass over the
 // V rows (where the generic loop loads and stores them for every position).
 template <int kHeadDim>
-void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const float* v, const int64_t* slots, int64_t n,
-                      int64_t row, int64_t groups, float softcap, Prefetcher& ahead) {
+void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const float* v, const int64_t* offs, int64_t n,
+                      int64_t groups, float softcap, Prefetcher& ahead) {
   constexpr int kF = kHeadDim / 16, kPassGroups = 16 / kF;
   alignas(64) float pf[kMaxGroups][kChunk];
   float corr[kMaxGroups];
-  const int nsub = static_cast<int>((n + 15) / 16);
+  int64_t off[kChunk];
+  const int nsub = pad_offsets(off, offs, n);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 qv[kF];
     for (int f = 0; f < kF; ++f) qv[f] = _mm512_loadu_ps(st.qf[g] + 16 * f);  // q already scaled
     __m512 sv[kSub];
-    score_chunk(sv, nsub, k, slots, n, row, ahead, [&](const float* kp) {
+    score_chunk(sv, nsub, k, off, ahead, [&](const float* kp) {
       __m512 part = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
 #pragma GCC unroll 8
       for (int f = 1; f < kF; ++f) part = _mm512_fmadd_ps(qv[f], _mm512_loadu_ps(kp + 16 * f), part);
@@ -255,7 +269,8 @@ void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const floa
     __m512 acc[kPassGroups][kF];
     load_rescaled<kPassGroups, kF>(acc, st.acc, corr, g0, gc);
     for (int64_t j = 0; j < n; ++j) {
-      const float* vp = v + slots[j] * row;
+      if (j % 16 == 0) ahead.step();
+      const float* vp = v + off[j];
       __m512 x[kF];
       for (int f = 0; f < kF; ++f) x[f] = _mm512_loadu_ps(vp + 16 * f);
       for (int g = 0; g < kPassGroups; ++g) {
@@ -277,20 +292,21 @@ void attend_chunk_f32(HeadState<float, kHeadDim>& st, const float* k, const floa
 // tree; p . v with each group's accumulators in registers, several groups per pass over the V rows.
 template <int kHeadDim>
 void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, const uint16_t* v,
-                         const int64_t* slots, int64_t n, int64_t row,
-                         int64_t groups, float scale, float softcap, Prefetcher& ahead) {
+                         const int64_t* offs, int64_t n, int64_t groups, float scale, float softcap,
+                         Prefetcher& ahead) {
   constexpr int kBf = kHeadDim / 32, kF = kHeadDim / 16, kPassGroups = 16 / kF;
   // p in bfloat16, rounded as SDPA's CPU kernel rounds its probabilities before the product with V;
   // lanes past n are 0, so an odd n pairs its last row with 0
   alignas(64) uint16_t pb[kMaxGroups][kChunk];
   float corr[kMaxGroups];
   const __m512 vscale = _mm512_set1_ps(scale);
-  const int nsub = static_cast<int>((n + 15) / 16);
+  int64_t off[kChunk];
+  const int nsub = pad_offsets(off, offs, n);
   for (int64_t g = 0; g < groups; ++g) {
     __m512bh qb[kBf];
     for (int c = 0; c < kBf; ++c) qb[c] = st.qb[g][c];
     __m512 sv[kSub];
-    score_chunk(sv, nsub, k, slots, n, row, ahead, [&](const uint16_t* kp) {
+    score_chunk(sv, nsub, k, off, ahead, [&](const uint16_t* kp) {
       __m512 part = _mm512_setzero_ps();
 #pragma GCC unroll 4
       for (int c = 0; c < kBf; ++c) part = _mm512_dpbf16_ps(part, qb[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
@@ -306,8 +322,9 @@ void attend_chunk_dpbf16(HeadState<uint16_t, kHeadDim>& st, const uint16_t* k, c
     __m512 acc[kPassGroups][kF];
     load_rescaled<kPassGroups, kF>(acc, st.acc, corr, g0, gc);
     for (int64_t j = 0; j < n; j += 2) {
-      const uint16_t* va = v + slots[j] * row;
-      const uint16_t* vb = j + 1 < n ? v + slots[j + 1] * row : va;
+      if (j % 16 == 0) ahead.step();
+      const uint16_t* va = v + off[j];
+      const uint16_t* vb = v + off[j + 1];  // position 0's row past n, with weight 0
       __m512i x[kF];
       for (int h = 0; h < kBf; ++h) {
         const __m512i ra = _mm512_loadu_si512(va + 32 * h), rb = _mm512_loadu_si512(vb + 32 * h);
@@ -353,29 +370,30 @@ inline void store_acc_bf16(uint16_t* out, const float* acc, float inv) {
 }
 #endif
 
-// Fold KV positions slots[0..n) of one KV head (k/v point at that head in position 0's row) into st.
+// Fold n KV positions of one KV head into st: position j's K row at k + offs[j], its V row at v +
+// offs[j] (k/v point at that head in slot 0's row).
 // Decode steps and prefill tiles run this one function from one call site, so a position's
 // attention is the same bits whichever computed it (batch invariance: a sequence that migrates or
 // is preempted, recomputed by a prefill, goes on exactly as it would have). Keep it one function
 // with one call site: two compiled copies may vectorize their reductions in different orders.
 template <typename T, int kHeadDim>
-void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* slots, int64_t n,
-                  int64_t row, int64_t groups, int64_t head_dim, float scale, float softcap, Prefetcher& ahead) {
+void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int64_t* offs, int64_t n,
+                  int64_t groups, int64_t head_dim, float scale, float softcap, Prefetcher& ahead) {
 #if defined(__AVX512BF16__)
   if constexpr (kUseDpbf16<T, kHeadDim>) {
-    attend_chunk_dpbf16<kHeadDim>(st, k, v, slots, n, row, groups, scale, softcap, ahead);
+    attend_chunk_dpbf16<kHeadDim>(st, k, v, offs, n, groups, scale, softcap, ahead);
     return;
   }
 #endif
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> && (kHeadDim == 64 || kHeadDim == 128)) {
-    attend_chunk_f32<kHeadDim>(st, k, v, slots, n, row, groups, softcap, ahead);
+    attend_chunk_f32<kHeadDim>(st, k, v, offs, n, groups, softcap, ahead);
     return;
   }
 #endif
   float s[kMaxGroups][kChunk], x[kMaxHeadDim];
   for (int64_t j = 0; j < n; ++j) {  // scores s = q . k
-    const T* kp = k + slots[j] * row;
+    const T* kp = k + offs[j];
     if (j % 16 == 0)
       for (int64_t g = 0; g < groups; ++g) ahead.step();
     for (int64_t d = 0; d < head_dim; ++d) x[d] = load(kp, d);
@@ -403,7 +421,8 @@ void attend_chunk(HeadState<T, kHeadDim>& st, const T* k, const T* v, const int6
     for (int64_t d = 0; d < head_dim; ++d) st.acc[g][d] *= corr;
   }
   for (int64_t j = 0; j < n; ++j) {  // acc += p . v
-    const T* vp = v + slots[j] * row;
+    if (j % 16 == 0) ahead.step();
+    const T* vp = v + offs[j];
     for (int64_t d = 0; d < head_dim; ++d) x[d] = load(vp, d);
     for (int64_t g = 0; g < groups; ++g) {
       const float p = s[g][j];
@@ -425,6 +444,9 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : head_dim_arg;
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between consecutive KV positions
+  // passes over a chunk's V rows a KV head makes (the AVX-512 paths take 256 / head_dim groups a pass
+  // at head_dim 64 and 128), to pace the prefetches
+  const int64_t v_passes = kHeadDim == 64 || kHeadDim == 128 ? (groups * kHeadDim + 255) / 256 : 1;
   std::vector<std::pair<int32_t, int32_t>> tiles;  // (sequence, first query row of the tile)
   bool multi_row = false;
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -457,12 +479,12 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
     }
     return it;
   };
-  // slots of sequence b's positions t .. t + n - 1, into dst
+  // the element offsets (slot x row) of sequence b's positions t .. t + n - 1, into dst
   const auto fill = [&](int64_t* dst, int64_t b, int64_t t, int64_t n) {
     const int32_t* table = block_tables + b * max_blocks;
     int64_t blk = t / block_size, off = t % block_size;
     for (int64_t j = 0; j < n; ++j) {
-      dst[j] = static_cast<int64_t>(table[blk]) * block_size + off;
+      dst[j] = (static_cast<int64_t>(table[blk]) * block_size + off) * row;
       if (++off == block_size) off = 0, ++blk;
     }
   };
@@ -494,32 +516,34 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
       // next item's first) while it computes this one, which keeps the loads of several blocks in
       // flight (batch 32, 256 positions, 12 layers, bf16 on an AVX-512 EPYC: 15.7 ms a step without,
       // 9.5 ms asked for a few lines every 16 positions scored, 13.3 ms asked for all at once).
-      int64_t slots[2][kChunk];
+      int64_t offs[2][kChunk];
       const int64_t end = it.hi[rows - 1];
-      fill(slots[0], b, it.lo[0], std::min<int64_t>(kChunk, end - it.lo[0]));
+      fill(offs[0], b, it.lo[0], std::min<int64_t>(kChunk, end - it.lo[0]));
       for (int64_t t0 = it.lo[0], cur = 0; t0 < end; t0 += kChunk, cur ^= 1) {
         const int64_t n = std::min<int64_t>(kChunk, end - t0);
         const int64_t next_n = std::max<int64_t>(0, std::min<int64_t>(kChunk, end - t0 - kChunk));
-        fill(slots[cur ^ 1], b, t0 + kChunk, next_n);
+        fill(offs[cur ^ 1], b, t0 + kChunk, next_n);
         Prefetcher ahead;
         if (!multi_row) {
-          ahead.row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
-          const auto add = [&](int64_t s, int64_t h) {
-            ahead.add(k_cache + s * row + h * head_dim);
-            ahead.add(v_cache + s * row + h * head_dim);
+          const int64_t row_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
+          ahead.lines_per_row = (row_bytes + 63) / 64 + (row_bytes % 64 != 0);  // an unaligned row spans one more
+          const auto add = [&](const int64_t* s, int64_t count, int64_t h) {
+            for (int64_t j = 0; j < count; ++j) {
+              ahead.add(k_cache + s[j] + h * head_dim);
+              ahead.add(v_cache + s[j] + h * head_dim);
+            }
           };
           if (next_n > 0) {
-            for (int64_t j = 0; j < next_n; ++j) add(slots[cur ^ 1][j], h0);
+            add(offs[cur ^ 1], next_n, h0);
           } else if (item + 1 < item_end) {
             const Item nx = item_at(item + 1);
             int64_t first[kChunk];
             const int64_t nn = std::min<int64_t>(kChunk, nx.hi[0] - nx.lo[0]);
             fill(first, nx.b, nx.lo[0], nn);
-            for (int64_t j = 0; j < nn; ++j) add(first[j], nx.h0);
+            add(first, nn, nx.h0);
           }
-          const int64_t lines = ahead.count * ((ahead.row_bytes + 63) / 64);
-          const int64_t calls = heads_per_item * groups * ((n + 15) / 16);
-          ahead.per_step = (lines + calls - 1) / calls;
+          const int64_t calls = heads_per_item * (groups + v_passes) * ((n + 15) / 16);
+          ahead.per_step = (ahead.lines + calls - 1) / calls;
         }
         for (int64_t i = 0; i < heads_per_item; ++i) {
           for (int64_t r = 0; r < rows; ++r) {
@@ -527,8 +551,8 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
             if (a >= z) continue;
             const T* kh = k_cache + (h0 + i) * head_dim;
             const T* vh = v_cache + (h0 + i) * head_dim;
-            attend_chunk<T, kHeadDim>(states[i * rows + r], kh, vh, slots[cur] + a, z - a, row, groups, head_dim,
-                                      scale, softcap, ahead);
+            attend_chunk<T, kHeadDim>(states[i * rows + r], kh, vh, offs[cur] + a, z - a, groups, head_dim, scale,
+                                      softcap, ahead);
           }
         }
         ahead.finish();
