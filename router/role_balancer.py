@@ -26,15 +26,15 @@ own prompts can beat one decoding all of it (a 2-core AMX Xeon, W2 at 8 req/s: c
 each other on the prefill workers and then wait for the hand-off and a first decode step elsewhere;
 spread over more workers and finished where they were prefilled, they wait less (a 2-core AVX-512
 EPYC, W2 at 2-4 req/s, about 180 ms a 256-token prompt on one core: split's TTFT p90 648-874 ms
-with its prefill worker 36-72 % busy, colocated's 297-431 ms). That merge also needs every side
-under ``high`` after it, or the utilisation rule would move the worker back once ``hold_s`` is over
-(and again after each merge, as a utilisation move is not an SLO move the undo bar counts).
+with its prefill worker 36-72 % busy, colocated's 297-431 ms; a 2-core Zen 5 EPYC, W2 at 6-8 req/s:
+split's 518-692 ms, colocated's 217-312 ms with both workers so busy that the utilisation view,
+mixing costed, calls the merged pair hot).
 
-An SLO move in one direction waits ``hold_s`` after one in the other, and an SLO move that undoes
-the one before it (its target was still missed after it) bars the move it undid for
-``learn_s``, twice as long each further time: the balancer tries each direction, keeps what met
-the target, and on a load that neither serves within it (a model too slow for the TPOT target at
-any batch) switches ever more rarely.
+An SLO move in one direction waits ``hold_s`` after one in the other, and a move that undoes the
+last SLO move (an SLO move because its target was still missed after it, or a utilisation move)
+bars the move it undid for ``learn_s``, twice as long each further time: the balancer tries each
+direction, keeps what met the target, and on a load that neither serves within it (a model too slow
+for the TPOT target at any batch) switches ever more rarely.
 
 **Utilisation moves** balance the busier side, and only when it is hot (at least ``high``): with
 ``P`` prefill and ``D`` decode workers its utilisation is ``max(prefill work / P, decode side / D)``.
@@ -45,7 +45,9 @@ colocated placement) costs ``mix_cost`` times its time on a prefill worker (prom
 decode workers for a new prefill worker is counted at the time it took there): a decode row in a
 step beside a prompt chunk costs 1.3-1.6 times its decode-step time (``pdserve profile``'s mixed
 fit, docs/measurements.md) and the prompt's tokens wait for the rows beside them.
-For ``hold_s`` after an SLO move no utilisation move undoes it.
+For ``hold_s`` after an SLO move no utilisation move undoes it, nor later while the window's
+latency p90s meet their targets: the targets are what the user asked for, the utilisation view
+only a forecast.
 
 Hysteresis, as NVIDIA Dynamo's SLA planner learnt it (oscillation between two replica counts,
 scaling on no traffic): a move is proposed only after ``patience`` consecutive windows agree on it;
@@ -121,6 +123,7 @@ class RoleBalancer:
     _count: int = field(default=0, repr=False)
     _last_switch_s: float = field(default=float("-inf"), repr=False)
     _slo_at: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> when it was last made (s)
+    _last_slo_role: str | None = field(default=None, repr=False)  # the last SLO move's to_role, until undone
     _barred: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> barred until (s)
     _undone: dict = field(default_factory=dict, repr=False)  # SLO move's to_role -> times undone
 
@@ -166,13 +169,16 @@ class RoleBalancer:
             to_decode = Move(w.address, "prefill", "decode", now, bottleneck(loads, p - 1, d + 1, self.mix_cost))
             prefill_full = sum(w.busy for w in loads if w.role == "prefill") / p >= PREFILL_FULL
             fits = bottleneck(loads, p - 1, d + 1) < 1.0  # the window's work, mixing not costed
-            cool = to_decode.predicted < self.high  # a TTFT merge the utilisation rule would not undo
-            if (slow or (ttft_over and cool)) and not prefill_full and fits and self._slo_allowed("decode", now_s):
+            if (slow or ttft_over) and not prefill_full and fits and self._slo_allowed("decode", now_s):
                 return Move(to_decode.address, "prefill", "decode", now, to_decode.predicted, "slo")
         if now < self.high:
             return None
-        options = [to_prefill] if to_prefill and now_s - self._slo_time("decode") >= self.hold_s else []
-        if to_decode and not (p == 1 and now_s - self._slo_time("prefill") < self.hold_s):
+        # the role the last SLO move made, kept while the latencies meet their targets
+        kept = self._last_slo_role if self._meeting(ttft_p90_s, tpot_p90_s) else None
+        options = []
+        if to_prefill and now_s - self._slo_time("decode") >= self.hold_s and kept != "decode":
+            options.append(to_prefill)
+        if to_decode and not (p == 1 and now_s - self._slo_time("prefill") < self.hold_s) and kept != "prefill":
             options.append(to_decode)
         best = min(options, key=lambda m: m.predicted, default=None)
         return best if best is not None and best.predicted < now - self.margin else None
@@ -195,13 +201,21 @@ class RoleBalancer:
         if move is None or self._count < self.patience:
             return None
         self._streak, self._count = None, 0
+        if self._last_slo_role == move.from_role:  # it undoes the last SLO move, whatever its reason:
+            self._undone[move.from_role] = self._undone.get(move.from_role, 0) + 1  # bar that one,
+            self._barred[move.from_role] = now_s + self.learn_s * 2 ** (self._undone[move.from_role] - 1)
+            self._last_slo_role = None  # twice as long each time
         if move.reason == "slo":
-            other = _OTHER_ROLE[move.to_role]
-            if self._slo_time(other) > self._slo_time(move.to_role):  # it undoes the last SLO move:
-                self._undone[other] = self._undone.get(other, 0) + 1  # bar that one, twice as long each time
-                self._barred[other] = now_s + self.learn_s * 2 ** (self._undone[other] - 1)
             self._slo_at[move.to_role] = now_s
+            self._last_slo_role = move.to_role
         return move
+
+    def _meeting(self, ttft_p90_s: float | None, tpot_p90_s: float | None) -> bool:
+        """Whether the window's latency p90s (seconds) meet the targets set: at least one measured
+        against its target, and none over."""
+        pairs = [(v, t) for v, t in ((ttft_p90_s, self.slo_ttft_s), (tpot_p90_s, self.slo_tpot_s)) if v is not None]
+        pairs = [(v, t) for v, t in pairs if t is not None]
+        return bool(pairs) and all(v <= t for v, t in pairs)
 
     def _slo_allowed(self, to_role: str, now_s: float) -> bool:
         """An SLO move to ``to_role``: not barred, and ``hold_s`` after an SLO move the other way."""
