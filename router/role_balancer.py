@@ -201,10 +201,11 @@ class RoleBalancer:
         if move is None or self._count < self.patience:
             return None
         self._streak, self._count = None, 0
-        if self._last_slo_role == move.from_role:  # it undoes the last SLO move, whatever its reason:
-            self._undone[move.from_role] = self._undone.get(move.from_role, 0) + 1  # bar that one,
+        if self._last_slo_role == move.from_role:
+            # it undoes the last SLO move, whatever its own reason: bar that one, twice as long each time
+            self._undone[move.from_role] = self._undone.get(move.from_role, 0) + 1
             self._barred[move.from_role] = now_s + self.learn_s * 2 ** (self._undone[move.from_role] - 1)
-            self._last_slo_role = None  # twice as long each time
+            self._last_slo_role = None
         if move.reason == "slo":
             self._slo_at[move.to_role] = now_s
             self._last_slo_role = move.to_role
