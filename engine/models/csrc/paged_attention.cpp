@@ -512,7 +512,7 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
           init_state(states[i * rows + r],
                      q + (query_start_loc[b] + it.r0 + r) * q_stride + (h0 + i) * groups * head_dim, groups, head_dim,
                      scale);
-      // Slots of this chunk and the next. A decode step asks for the next chunk's K and V rows (or the
+      // Row offsets of this chunk and the next. A decode step asks for the next chunk's K and V rows (or the
       // next item's first) while it computes this one, which keeps the loads of several blocks in
       // flight (batch 32, 256 positions, 12 layers, bf16 on an AVX-512 EPYC: 15.7 ms a step without,
       // 9.5 ms asked for a few lines every 16 positions scored, 13.3 ms asked for all at once).
