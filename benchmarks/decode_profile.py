@@ -150,6 +150,8 @@ def profile_batch(args, batch: int, bandwidth: float, timers: Timers, torch_prof
     timers.seconds.clear()
     for _ in range(WARMUP_STEPS):
         engine.step()
+    stack = getattr(engine.runner.model, "stack", None)
+    stack_calls = stack.calls if stack is not None else 0
     walls = []
     timers.on = True
     for _ in range(args.steps):
@@ -165,7 +167,8 @@ def profile_batch(args, batch: int, bandwidth: float, timers: Timers, torch_prof
         engine.runner.device,
     )
     bound = decode_bound_s(engine, batch, args.context + args.steps // 2, bandwidth, peak)
-    report(batch, walls, timers.seconds, bound, args.steps, peak)
+    stacked = stack is not None and stack.calls > stack_calls
+    report(batch, walls, timers.seconds, bound, args.steps, peak, stacked)
     if torch_profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):
@@ -173,7 +176,11 @@ def profile_batch(args, batch: int, bandwidth: float, timers: Timers, torch_prof
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
 
-def report(batch: int, walls: list[float], seconds: dict[str, float], bound: dict[str, float], steps: int, peak):
+def report(
+    batch: int, walls: list[float], seconds: dict[str, float], bound: dict[str, float], steps: int, peak, stacked: bool
+):
+    """One batch's table. ``stacked``: the steps ran the decoder stack (every layer in one C++ call),
+    whose linears, attention and elementwise ops no Python wrapper sees, so they share one row."""
     s = defaultdict(float, {k: v / steps * 1e3 for k, v in seconds.items()})  # ms per step
     s["linear"] -= s["lm_head"]  # lm_head is one of the engine's linears too
     step = statistics.median(walls) * 1e3
@@ -190,6 +197,9 @@ def report(batch: int, walls: list[float], seconds: dict[str, float], bound: dic
         ("runner host", s["runner"] - s["forward"] - s["lm_head"] - s["sampling"], 0.0),
         ("scheduler", mean - s["runner"], 0.0),
     ]
+    if stacked:
+        layers = ("layers (stack)", s["forward"], (bound["linear"] + bound["attention"]) * 1e3)
+        rows = [layers, *(r for r in rows if r[0] not in ("linear", "attention", "elementwise", "forward other"))]
     print(
         f"\nbatch {batch}: step {step:.2f} ms median ({mean:.2f} mean), bound {total_bound:.2f} ms "
         f"= {total_bound / step:.0%} of the bound; GEMM probe {peak * 1e3:.0f} GFLOP/s at {batch} rows"
@@ -198,6 +208,11 @@ def report(batch: int, walls: list[float], seconds: dict[str, float], bound: dic
     for name, ms, b in rows:
         at = f"{b / ms:.0%}" if b and ms > 0 else "-"
         print(f"  {name:<14}{ms:9.3f}{ms / mean:8.0%}{b:10.3f}{at:>10}")
+    if stacked:
+        print(
+            "  layers (stack): the decoder stack runs every layer in one C++ call (its linears, attention, "
+            "elementwise ops and the KV write); PDSERVE_DECODER_STACK=0 runs the layer loop, each part timed"
+        )
 
 
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
@@ -229,6 +244,8 @@ def use_kernels(args: argparse.Namespace) -> str:
         except kernels.KernelUnavailable:
             pass
     amx = args.amx_attention if getattr(args, "dtype", "bfloat16") in ("bfloat16", "auto") else "n/a (bfloat16 only)"
+    if amx == "on" and not kernels.has_amx():
+        amx = "on where the CPU has AMX (this one has none)"
     return f"linear kernel {args.linear_kernel}, AMX attention {amx}"
 
 

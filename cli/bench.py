@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pdserve.cli.out_dir import prepare_out_dir
+from pdserve.cli.out_dir import drops_empty_out, prepare_out_dir
 from pdserve.loadgen.args import (
     add_slo_args,
     add_workload_args,
@@ -158,7 +158,7 @@ def make_backend(args):
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.backend == "openai":
         if not args.url:
-            raise SystemExit("--backend openai needs --url http://HOST:PORT")
+            raise ValueError("--backend openai needs --url http://HOST:PORT")
         return OpenAIBackend(args.url, args.served_model, args.api_key)
     return GrpcBackend(args.router, args.api_key)
 
@@ -182,6 +182,7 @@ def tokenizer_folder(served: str) -> str:
     return str(found)
 
 
+@drops_empty_out
 def cmd_bench(args) -> int:
     from pdserve.engine.text.tokenizer import Tokenizer
 

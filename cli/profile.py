@@ -75,6 +75,14 @@ def cmd_profile(args) -> int:
         raise ValueError(f"--out {args.out}: is a folder; name the JSON file to write")
     if not os.path.isdir(os.path.dirname(out)):
         raise ValueError(f"--out {args.out}: no such folder")
+    existed = os.path.exists(out)
+    try:  # before minutes of profiling, not after
+        with open(out, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {args.out}: cannot write it here: {exc.strerror}") from None
+    if not existed:
+        os.remove(out)
     grid = QUICK if args.quick else DEFAULT
     chosen = {f: getattr(args, f) for f in USER_FIELDS if getattr(args, f) is not None}
     grid = replace(grid, **chosen, repeats=args.repeats or grid.repeats)

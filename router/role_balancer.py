@@ -51,8 +51,9 @@ only a forecast.
 
 Hysteresis, as NVIDIA Dynamo's SLA planner learnt it (oscillation between two replica counts,
 scaling on no traffic): a move is proposed only after ``patience`` consecutive windows agree on it;
-none within ``cooldown_s`` of the last switch; none while a worker is draining; and with no traffic
-nothing is hot and no latency is over target.
+none within ``cooldown_s`` of the last switch; none while a worker is draining; and none in a
+window with no work (the latency p90s cover the last seconds, so just after a burst they still read
+over target while every worker idles).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class RoleBalancer:
         by more than ``margin``; None if none qualifies."""
         p = sum(1 for w in loads if w.role == "prefill")
         d = sum(1 for w in loads if w.role == "decode")
-        if d == 0:
+        if d == 0 or not any(w.busy > 0 for w in loads):  # no work this window: nothing to balance
             return None
         now = bottleneck(loads, p, d)
         slow = self.slo_tpot_s is not None and tpot_p90_s is not None and tpot_p90_s > self.slo_tpot_s

@@ -50,3 +50,20 @@ def test_ctrl_c_removes_it_too(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         cmd(argparse.Namespace(out=str(tmp_path / "x")))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--router", "127.0.0.1:1"], "error: no router answers at 127.0.0.1:1"),
+        (["--backend", "openai"], "error: --backend openai needs --url"),
+    ],
+)
+def test_a_bench_that_reaches_no_server_leaves_no_folder(args, needle, tmp_path, capsys):
+    from pdserve.cli.main import main
+
+    out = tmp_path / "bench_results" / "run"
+    flow = ["--prompts", "random", "--arrival", "poisson", "--rate", "1", "--num-requests", "2", "--input-len", "8"]
+    assert main(["bench", *args, *flow, "--output-len", "4", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(needle)
+    assert not (tmp_path / "bench_results").exists()

@@ -212,6 +212,7 @@ def test_progress_and_the_fits_are_printed(profiled):
         (["--model", "/nonexistent/model"], "error: cannot load model '/nonexistent/model'"),
         (["--out", "/nonexistent/folder/p.json"], "error: --out /nonexistent/folder/p.json: no such folder"),
         (["--out", "/tmp"], "error: --out /tmp: is a folder"),
+        (["--out", "/proc/p.json"], "error: --out /proc/p.json: cannot write it here"),
         (["--prefill-tokens", "16,4096"], "error: --prefill-tokens 4096: a prompt step holds"),
         (["--batch-sizes", "1,128"], "error: --batch-sizes 128: a step holds at most --max-num-seqs sequences"),
         (["--context-lens", "64,4096"], "error: --context-lens 4096: a decoding sequence and the"),

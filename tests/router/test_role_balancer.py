@@ -158,6 +158,16 @@ def test_slo_moves_on_a_load_neither_placement_serves_stop_flipping():
     assert [s[0] for s in switches] == [0, 60, 660, 1260, 2460, 3660]
 
 
+def test_no_slo_move_in_windows_without_work_after_a_burst():
+    """Just after a burst every worker idles while the latency p90s, over the last seconds' requests,
+    still read over target: no window without work may move a worker."""
+    b = RoleBalancer(slo_ttft_s=0.4, slo_tpot_s=0.040, patience=3, cooldown_s=0.0)
+    idle = [load("p0", "prefill", 0.0, 0.0), load("d0", "decode", 0.0, 0.0)]
+    assert all(b.observe(float(t), idle, ttft_p90_s=3.0, tpot_p90_s=0.2) is None for t in range(10))
+    busy = [load("p0", "prefill", 0.5, 0.0), load("d0", "decode", 0.0, 0.4)]
+    assert [b.observe(float(t), busy, ttft_p90_s=3.0) is not None for t in (10, 11, 12)] == [False, False, True]
+
+
 def test_a_move_needs_patience_windows_in_a_row_and_then_a_cooldown():
     b = RoleBalancer(patience=3, cooldown_s=10.0)
     assert b.observe(1.0, IDLE_PREFILL) is None
