@@ -8,7 +8,9 @@
 For each batch size, ``batch`` prompts of ``--context`` random tokens are prefilled, then
 ``--steps`` decode steps of the whole batch are timed (after 3 warm-up steps). Every part of the
 step is timed by wrapping it (CPU work is synchronous, so wall time is exact; each wrapper costs
-well under a microsecond):
+well under a microsecond). Where the decoder stack runs (bfloat16 on CPU, the default), every layer
+is one C++ call and its parts share one row, ``layers (stack)``; ``PDSERVE_DECODER_STACK=0`` runs
+the layer loop instead, each part below timed:
 
 - ``linear``: the decoder's GEMMs (q|k|v, o, gate|up, down) through the engine's linear classes;
   their bound is reading every weight once at the bandwidth the read probe measures, or their
