@@ -25,7 +25,7 @@ from pdserve.loadgen.args import (
 from pdserve.loadgen.metrics import LATENCY_METRICS, RequestRecord, json_safe, prefix_reuse_ceiling, summarize
 from pdserve.loadgen.prefix_cache import format_prefix_cache, prefix_cache_report
 from pdserve.loadgen.workload import RequestSpec
-from pdserve.worker.flags import host_port, positive_float
+from pdserve.worker.flags import host_port, non_negative_float, positive_float
 
 
 def is_loopback(address: str) -> bool:
@@ -273,7 +273,7 @@ def add_bench_parser(sub) -> None:
         help="model folder for the tokenizer (default: the folder the served model's id "
         "names here: an embedded or GGUF model, or a folder path)",
     )
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--max-duration", type=positive_float, default=600.0, help="hard stop for the run, s")
     p.add_argument(
         "--out",

@@ -17,7 +17,7 @@ import sys
 
 from pdserve.cli.serve import DEFAULT_PORT
 from pdserve.router.validation import TOP_K_ALLOWED
-from pdserve.worker.flags import host_port, positive_float
+from pdserve.worker.flags import host_port, non_negative_float, positive_float
 
 MAX_INT32, MAX_UINT32, MAX_UINT64 = (1 << 31) - 1, (1 << 32) - 1, (1 << 64) - 1
 
@@ -106,7 +106,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--router", type=host_port, default=None, help="router host:port (default 127.0.0.1:--port)")
     p.add_argument("--port", type=int_in(1, 65535, "in 1..65535 (the router's port)"), default=DEFAULT_PORT)
     p.add_argument("--max-tokens", type=int_in(1, MAX_UINT32), default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int_in(-1, MAX_INT32, TOP_K_ALLOWED), default=None, help="-1 or 0 disables")
     p.add_argument("--seed", type=int_in(0, MAX_UINT64), default=None)

@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 
-from pdserve.cluster.flags import add_role_resource_args
+from pdserve.cluster.flags import add_role_resource_args, check_local_kv_fits
 from pdserve.worker.flags import add_engine_args, non_negative_int, port, positive_float, positive_int
 
 DEFAULT_PORT = 50051
@@ -223,6 +223,8 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     if noted:
         interrupted()
+    if args.address is None:
+        check_local_kv_fits(cfg)
     cluster = start_cluster(cfg)
     if note:
         print(note, flush=True)

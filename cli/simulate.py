@@ -113,6 +113,22 @@ def range_notes(measured: tuple[float, float], specs: list) -> list[str]:
     return notes
 
 
+def check_fits(sim, specs) -> None:
+    """ValueError (one line) when the workload's longest request fits no worker's KV cache: every
+    request like it would fail, so the simulation would only count failures."""
+    from pdserve.engine.params import SamplingParams
+
+    longest = max(specs, key=lambda r: len(r.prompt_token_ids) + r.max_tokens, default=None)
+    if longest is None:
+        return
+    sampling = SamplingParams(temperature=0.0, max_tokens=longest.max_tokens, ignore_eos=True)
+    try:
+        sim.workers[0].engine.check_request(list(longest.prompt_token_ids), sampling)
+    except ValueError as exc:
+        why = f"the workload's longest request cannot run: {exc} (--num-kv-blocks, --kv-cache-gib)"
+        raise ValueError(why) from None
+
+
 @drops_empty_out
 def cmd_simulate(args) -> int:
     from pdserve.cli.bench import first_errors, print_summary, write_results
@@ -165,6 +181,7 @@ def cmd_simulate(args) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the profile's model {spec!r}: {exc}") from None
     specs = build_specs(args, sim.tokenizer, sim.max_model_len, args.rate)
+    check_fits(sim, specs)
     for note in range_notes(measured, specs):
         print(note, flush=True)
     n = len(sim.workers)

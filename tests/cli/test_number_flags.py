@@ -15,6 +15,8 @@ from pdserve.cli.main import main
         (["serve", "--max-num-seqs", "1.5"], "argument --max-num-seqs: expected an integer, got '1.5'"),
         (["serve", "--port", "http"], "argument --port: expected an integer, got 'http'"),
         (["serve", "--kv-cache-gib", "0"], "argument --kv-cache-gib: must be a finite number > 0, got 0"),
+        (["bench", "--temperature", "-1"], "argument --temperature: must be a number >= 0, got -1"),
+        (["generate", "--temperature", "nan"], "argument --temperature: must be a number >= 0, got nan"),
     ],
 )
 def test_a_word_for_a_number_is_named(argv, expected, capsys):

@@ -188,6 +188,7 @@ def with_coefficient(section: str, name: str, value: float) -> dict:
         (json.dumps(with_coefficient("decode", "d0", 1e308)), [], "predict 1e+308 s for a decode step of 256 rows"),
         (json.dumps(toy_profile()), ["--slo-ttft-ms", "100"], "--slo-ttft-ms needs --slo-tpot-ms"),
         (json.dumps(toy_profile()), ["--no-chunked-prefill", "--target-itl-ms", "50"], "needs chunked prefill"),
+        (json.dumps(toy_profile()), ["--num-kv-blocks", "1"], "longest request cannot run: request needs"),
     ],
 )
 def test_bad_profile_or_flags_exit_2_with_one_line(tmp_path, content, flags, message):
