@@ -141,8 +141,6 @@ def test_serve_generate_and_ctrl_c():
         (["serve", "--port", "50177", "--http-port", "50177"], "the gRPC and HTTP servers need a port each"),
         (["serve", "--host", "203.0.113.7", "--port", "50178"], "Cannot assign requested address; pick --host"),
         (["serve", "--host", "999.1.1.1", "--port", "50179"], "pick --host"),  # not an address at all
-        (["throughput", "--kv-cache-gib", "100000"], "GiB) does not fit in memory here; lower --kv-cache-gib"),
-        (["serve", "--kv-cache-gib", "100000", "--port", "0"], "2 workers would hold 200000 GiB of KV cache"),
         (["throughput", "--max-model-len", "16"], "--input-len 256 + --output-len 64 exceeds the context window of 16"),
         (["generate", "hi", "--bogus"], "usage: pdserve generate"),  # the command's usage, not pdserve's
     ],
