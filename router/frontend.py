@@ -203,6 +203,7 @@ class Frontend:
                 first_ns = first_ns or now
                 if state.stalled:
                     state.stalled = False
+                    self.metrics.stalled.dec()  # now, not at the next poll: the stream may end before it
                     log.warning(
                         "request %s: a token again after %.1fs", req.request_id, (now - state.last_token_ns) / 1e9
                     )
@@ -254,6 +255,9 @@ class Frontend:
         finally:
             await events.aclose()
             self.inflight.pop(req.request_id, None)
+            if state.stalled:  # ended while stalled: it leaves the gauge now too
+                state.stalled = False
+                self.metrics.stalled.dec()
         rest = "" if detok.stopped or finish == PB.FINISH_REASON_ABORT else detok.finish()
         if timings_ns is not None and last_ns is not None:  # ended before the worker's last message
             timings.decode_ns += last_ns - timings_ns
