@@ -215,9 +215,9 @@ class RoleBalancer:
     def _meeting(self, ttft_p90_s: float | None, tpot_p90_s: float | None) -> bool:
         """Whether the window's latency p90s (seconds) meet the targets set: at least one measured
         against its target, and none over."""
-        pairs = [(v, t) for v, t in ((ttft_p90_s, self.slo_ttft_s), (tpot_p90_s, self.slo_tpot_s)) if v is not None]
-        pairs = [(v, t) for v, t in pairs if t is not None]
-        return bool(pairs) and all(v <= t for v, t in pairs)
+        pairs = ((ttft_p90_s, self.slo_ttft_s), (tpot_p90_s, self.slo_tpot_s))
+        measured = [(v, t) for v, t in pairs if v is not None and t is not None]
+        return bool(measured) and all(v <= t for v, t in measured)
 
     def _slo_allowed(self, to_role: str, now_s: float) -> bool:
         """An SLO move to ``to_role``: not barred, and ``hold_s`` after an SLO move the other way."""

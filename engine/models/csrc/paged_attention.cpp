@@ -136,13 +136,13 @@ inline void cap_scores(float* s, int64_t n, float softcap) {
 // prefetcht0 (prefetcht2, into L2 only, read 10-25 % slower once the requests were paced so).
 struct Prefetcher {
   const char* rows[2 * kChunk];
-  int64_t count = 0, lines_per_row = 0, lines = 0, next = 0, line = 0, per_step = 0;
+  int64_t count = 0, lines_per_row = 0, next = 0, line = 0, per_step = 0;
   void add(const void* p) {
     rows[count++] = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
-    lines += lines_per_row;
   }
+  int64_t lines() const { return count * lines_per_row; }
   void step() { take(per_step); }
-  void finish() { take(lines); }  // what the arithmetic left unasked
+  void finish() { take(lines()); }  // what the arithmetic left unasked
   void take(int64_t left) {
     while (left > 0 && next < count) {
       const int64_t n = std::min(left, lines_per_row - line);
@@ -543,7 +543,7 @@ void attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, cons
             add(first, nn, nx.h0);
           }
           const int64_t calls = heads_per_item * (groups + v_passes) * ((n + 15) / 16);
-          ahead.per_step = (ahead.lines + calls - 1) / calls;
+          ahead.per_step = (ahead.lines() + calls - 1) / calls;
         }
         for (int64_t i = 0; i < heads_per_item; ++i) {
           for (int64_t r = 0; r < rows; ++r) {
